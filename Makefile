@@ -1,0 +1,31 @@
+# `make demo` and `make test` set up .venv at the repo root when it is missing or older than
+# the project's dependency files, then run.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q -c constraints.txt torch==2.14.1 torchvision==0.29.1
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/lms demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lms tests benchmarks
+	$(VENV)/bin/ruff format --check lms tests benchmarks
+	$(VENV)/bin/mypy lms
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/cpu_offload.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

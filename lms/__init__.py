@@ -1,0 +1,27 @@
+"""Large Model Support for PyTorch: train past device memory by offloading saved activations."""
+
+from lms._units import format_bytes, parse_bytes
+from lms.config import LMSConfig
+from lms.errors import (
+    HostMemoryError,
+    LMSError,
+    PlanInfeasibleError,
+    SpillError,
+    StepAbortedError,
+)
+from lms.runtime import LMS, LMSStats, no_offload
+
+__all__ = [
+    "LMS",
+    "LMSConfig",
+    "LMSStats",
+    "no_offload",
+    "LMSError",
+    "SpillError",
+    "HostMemoryError",
+    "PlanInfeasibleError",
+    "StepAbortedError",
+    "parse_bytes",
+    "format_bytes",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,61 @@
+"""Byte sizes: parse "10GiB" / "1.5 GB" / 1024, and format them back for people."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["parse_bytes", "format_bytes"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str, *, field: str = "size") -> int:
+    """Return a byte count from an int, a float or a string such as ``"10GiB"``.
+
+    Raises:
+        ValueError: naming ``field`` when the value is negative or not a size.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"lms: {field}={value!r} is not a size; give bytes or a string like '10GiB'")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        match = _PATTERN.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"lms: {field}={value!r} is not a size; use a number of bytes or a string like "
+                "'10GiB', '512MiB' or '32GB'"
+            )
+        number = float(match.group(1)) * _UNITS[unit]
+    else:
+        raise ValueError(f"lms: {field}={value!r} is not a size; give bytes or a string like '10GiB'")
+    if number < 0:
+        raise ValueError(f"lms: {field}={value!r} must be >= 0 bytes")
+    return int(number)
+
+
+def format_bytes(nbytes: float) -> str:
+    """Format a byte count with a binary unit, as in ``"10.06 GiB"``."""
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024.0:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024.0
+    return f"{size:.2f} TiB"

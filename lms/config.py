@@ -1,0 +1,112 @@
+"""`LMSConfig`: the runtime's settings, validated once, in TFLMS v2's vocabulary.
+
+Levels in eager mode. PyTorch runs no graph that could be sorted into topological levels, so a
+*level* here is a position in the step's sequence of saved-tensor events: every time autograd saves
+a tensor (the pack hook) or reads one back in backward (the unpack hook) the level advances by one.
+A tensor saved at level ``s`` and first read back at level ``u`` has distance ``u - s``; the last
+tensor saved before backward has distance 1. Until a step has been recorded, the runtime assumes
+backward reads tensors back in the reverse of the order they were saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+from lms._units import parse_bytes
+
+__all__ = ["LMSConfig", "Tier", "AUTO_MIN_OFFLOAD_BYTES", "AUTO_SWAPIN_AHEAD"]
+
+Tier = Literal["auto", "host", "disk"]
+AUTO_MIN_OFFLOAD_BYTES = 256 * 1024
+AUTO_SWAPIN_AHEAD = 2
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    allowed = f"-1 (automatic) or an integer >= {low}" if low > -1 else ""
+    if high is not None:
+        allowed = f"an integer from {low} to {high}"
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if ok and value == -1 and low > -1 and high is None:
+        return
+    if not ok or value < low or (high is not None and value > high):  # type: ignore[operator]
+        raise ValueError(f"lms: {name}={value!r} is out of range; allowed: {allowed}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LMSConfig:
+    """Settings of one `lms.LMS` runtime. Sizes accept bytes or strings such as ``"10GiB"``."""
+
+    budget: int | str | None = None
+    """Device memory the step may use (bytes); None means no limit (offload by threshold only)."""
+    tier: Tier = "auto"
+    """Where offloaded data goes: "auto" (host memory from a CUDA device, disk from the CPU),
+    "host" (pinned host memory only) or "disk" (spill files)."""
+    swapout_threshold: int = -1
+    """Offload a saved tensor whose distance in levels to its first use is at least this; -1: by budget."""
+    swapin_ahead: int = -1
+    """Start bringing a tensor back this many uses before backward needs it; -1: automatic (2)."""
+    swapin_groupby: int = -1
+    """Tensors used within this many levels after a prefetched one come back with it; -1: 0."""
+    sync_mode: int = 0
+    """0: asynchronous copies, 1: wait for each copy out, 2: no prefetch (copy in on demand), 3: both."""
+    min_offload_bytes: int | str = -1
+    """Saved tensors smaller than this stay on the device; -1: automatic (256 KiB)."""
+    spill_dir: str | None = None
+    """Folder for spill files; None: the system's temporary folder."""
+    host_budget: int | str | None = None
+    """Host memory that offloaded data may hold; None: half of the memory available at start.
+    With tier "auto" the rest overflows to disk; with tier "host" it is an error."""
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            object.__setattr__(self, "budget", parse_bytes(self.budget, field="budget"))
+        if self.host_budget is not None:
+            object.__setattr__(
+                self, "host_budget", parse_bytes(self.host_budget, field="host_budget")
+            )
+        if isinstance(self.min_offload_bytes, str):
+            object.__setattr__(
+                self,
+                "min_offload_bytes",
+                parse_bytes(self.min_offload_bytes, field="min_offload_bytes"),
+            )
+        if self.tier not in ("auto", "host", "disk"):
+            raise ValueError(
+                f"lms: tier={self.tier!r} is not a tier; allowed: 'auto', 'host' or 'disk'"
+            )
+        _check_int("swapout_threshold", self.swapout_threshold, 1)
+        _check_int("swapin_ahead", self.swapin_ahead, 1)
+        _check_int("swapin_groupby", self.swapin_groupby, 0)
+        _check_int("sync_mode", self.sync_mode, 0, 3)
+        _check_int("min_offload_bytes", self.min_offload_bytes, 0)
+        if self.spill_dir is not None and not isinstance(self.spill_dir, (str, os.PathLike)):
+            raise ValueError(f"lms: spill_dir={self.spill_dir!r} is not a path")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The device budget in bytes, or None."""
+        return self.budget  # type: ignore[return-value]
+
+    @property
+    def min_offload(self) -> int:
+        """The effective smallest offloaded size in bytes."""
+        value = int(self.min_offload_bytes)
+        return AUTO_MIN_OFFLOAD_BYTES if value == -1 else value
+
+    @property
+    def ahead(self) -> int:
+        """The effective prefetch distance, counted in uses, groupby included."""
+        ahead = AUTO_SWAPIN_AHEAD if self.swapin_ahead == -1 else self.swapin_ahead
+        return ahead + max(self.swapin_groupby, 0)
+
+    @property
+    def sync_out(self) -> bool:
+        """Whether each copy out is waited for (sync modes 1 and 3)."""
+        return self.sync_mode in (1, 3)
+
+    @property
+    def sync_in(self) -> bool:
+        """Whether copies in happen on demand only (sync modes 2 and 3)."""
+        return self.sync_mode in (2, 3)

@@ -1,0 +1,162 @@
+"""Spill files: the one module that writes them.
+
+A `SpillStore` owns a private folder under the spill directory and one background I/O thread.
+Writes and reads run on that thread in submission order, so a read of a key always follows its
+write. Files hold raw bytes and are deleted when their data is released; `close()` removes the
+folder and whatever is still in it, also after an exception.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+
+import torch
+
+from lms._units import format_bytes
+from lms.errors import SpillError
+
+__all__ = ["SpillStore", "check_spill_dir"]
+
+log = logging.getLogger("lms.runtime.disk")
+_RESERVE_FREE_BYTES = 64 * 1024**2
+
+
+def check_spill_dir(path: str | None) -> str:
+    """Return a usable spill directory, or raise `SpillError` saying why it is not usable."""
+    folder = os.path.abspath(path if path is not None else tempfile.gettempdir())
+    if not os.path.isdir(folder):
+        raise SpillError(
+            f"lms: spill_dir {folder!r} is not a folder; create it or pass another spill_dir"
+        )
+    try:
+        probe = tempfile.mkdtemp(prefix=".lms-probe-", dir=folder)
+    except OSError as exc:
+        raise SpillError(
+            f"lms: spill_dir {folder!r} is not writable ({exc.strerror}); "
+            "pass a writable spill_dir"
+        ) from exc
+    os.rmdir(probe)
+    return folder
+
+
+def _remove_tree(folder: str) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+class SpillStore:
+    """Raw-byte files for offloaded storages, written and read by one background thread."""
+
+    def __init__(self, spill_dir: str | None):
+        self.root = check_spill_dir(spill_dir)
+        self._folder: str | None = None
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lms-io")
+        self._finalizer: weakref.finalize | None = None
+        self.bytes_on_disk = 0
+        self.peak_bytes_on_disk = 0
+
+    def _path(self, key: int) -> str:
+        with self._lock:
+            if self._folder is None:
+                self._folder = tempfile.mkdtemp(prefix="lms-spill-", dir=self.root)
+                # Runs at close(), at garbage collection or at interpreter exit, whichever is first.
+                self._finalizer = weakref.finalize(self, _remove_tree, self._folder)
+            return os.path.join(self._folder, f"{key}.bin")
+
+    @property
+    def folder(self) -> str | None:
+        """The private folder holding this store's files, once the first file was written."""
+        return self._folder
+
+    def write(self, key: int, data: torch.Tensor) -> concurrent.futures.Future[None]:
+        """Start writing ``data`` (a contiguous CPU uint8 tensor) to the file of ``key``.
+
+        Raises:
+            SpillError: at once when the disk has not room for it.
+        """
+        nbytes = data.numel()
+        path = self._path(key)
+        free = shutil.disk_usage(os.path.dirname(path)).free
+        if free < nbytes + _RESERVE_FREE_BYTES:
+            raise SpillError(
+                f"lms: the spill folder {self.root!r} has {format_bytes(free)} free, too little "
+                f"for {format_bytes(nbytes)} more of offloaded data "
+                f"(already {format_bytes(self.bytes_on_disk)} on disk); "
+                "pass a spill_dir with more room, raise the budget or lower the batch size"
+            )
+        self.bytes_on_disk += nbytes
+        self.peak_bytes_on_disk = max(self.peak_bytes_on_disk, self.bytes_on_disk)
+        return self._pool.submit(self._write, path, data)
+
+    def _write(self, path: str, data: torch.Tensor) -> None:
+        view = memoryview(data.numpy())
+        try:
+            with open(path, "wb", buffering=0) as handle:
+                written = 0
+                while written < len(view):
+                    written += handle.write(view[written:])
+        except OSError as exc:
+            with _suppress_os_error():
+                os.unlink(path)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise SpillError(
+                    f"lms: the disk of {self.root!r} filled up while writing "
+                    f"{format_bytes(len(view))} of offloaded data; pass a spill_dir with more "
+                    "room, raise the budget or lower the batch size"
+                ) from exc
+            raise SpillError(
+                f"lms: writing a spill file in {self.root!r} failed ({exc}); "
+                "check the spill_dir"
+            ) from exc
+
+    def read(self, key: int, into: torch.Tensor) -> concurrent.futures.Future[torch.Tensor]:
+        """Start reading the file of ``key`` into ``into`` (a CPU uint8 tensor of its size)."""
+        return self._pool.submit(self._read, self._path(key), into)
+
+    @staticmethod
+    def _read(path: str, into: torch.Tensor) -> torch.Tensor:
+        view = memoryview(into.numpy())
+        with open(path, "rb", buffering=0) as handle:
+            done = 0
+            while done < len(view):
+                got = handle.readinto(view[done:])
+                if not got:
+                    raise SpillError(f"lms: spill file {path!r} is shorter than expected")
+                done += got
+        return into
+
+    def delete(self, key: int, nbytes: int) -> None:
+        """Delete the file of ``key`` once the thread is done with it."""
+        self.bytes_on_disk -= nbytes
+        path = self._path(key)
+        try:
+            self._pool.submit(_unlink_quietly, path)
+        except RuntimeError:  # the pool is shut down: delete here
+            _unlink_quietly(path)
+
+    def close(self) -> None:
+        """Wait for the I/O thread, then remove the folder and every file left in it."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._finalizer is not None:
+            self._finalizer()
+        self.bytes_on_disk = 0
+
+
+def _unlink_quietly(path: str) -> None:
+    with _suppress_os_error():
+        os.unlink(path)
+
+
+class _suppress_os_error:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
+        return isinstance(exc, OSError)

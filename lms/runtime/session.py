@@ -1,0 +1,439 @@
+"""`lms.LMS`: the runtime. Saved-tensor hooks that move activations out and bring them back.
+
+One ``with`` block is one training step. Backward may run inside the block or after it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lms._units import format_bytes
+from lms.config import LMSConfig
+from lms.runtime import policy
+from lms.runtime.store import Entry, Offloader
+from lms.runtime.stats import LMSStats
+
+__all__ = ["LMS", "no_offload"]
+
+log = logging.getLogger("lms.runtime")
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def no_offload() -> Iterator[None]:
+    """Keep every tensor saved inside this block on the device."""
+    _local.depth = getattr(_local, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.depth -= 1
+
+
+def _available_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class _Handle:
+    """What autograd holds instead of a saved tensor: its storage entry and view geometry."""
+
+    __slots__ = ("session", "entry", "dtype", "size", "stride", "offset")
+
+    def __init__(self, session: LMS, entry: Entry, tensor: torch.Tensor):
+        self.session = session
+        self.entry = entry
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset()
+
+    def __del__(self) -> None:
+        self.session._drop_handle(self.entry)
+
+
+class _Step:
+    """The state of one step: its entries in save order and the runtime's choices."""
+
+    def __init__(self, number: int, record: policy.StepRecord | None):
+        self.number = number
+        self.record = record
+        self.diverged = False
+        self.level = 0
+        self.entries: list[Entry] = []
+        self.first_use: dict[int, int] = {}
+        self.resident: collections.deque[Entry] = collections.deque()
+        self.resident_bytes = 0
+        self.largest_bytes = max(record.nbytes, default=0) if record else 0
+        self.offload_set: set[int] | None = None
+        self.use_queue: list[Entry] | None = None
+        self.use_pos: dict[int, int] = {}
+        self.save_level: dict[int, int] = {}
+        self.baseline_bytes: int | None = None
+
+    def owns(self, entry: Entry) -> bool:
+        return entry.ordinal < len(self.entries) and self.entries[entry.ordinal] is entry
+
+    def to_record(self) -> policy.StepRecord:
+        return policy.StepRecord(
+            save_level=tuple(self.save_level[e.ordinal] for e in self.entries),
+            nbytes=tuple(e.nbytes for e in self.entries),
+            first_use_level=tuple(self.first_use.get(e.ordinal) for e in self.entries),
+        )
+
+
+class LMS:
+    """Offload saved activations of a training step to host memory or disk, and bring them back.
+
+    Use one object for the whole run and one ``with`` block per step: it records the first step
+    and decides at save time from the second on, and it reuses its host buffers.
+
+    Example:
+        offload = lms.LMS(budget="10GiB")
+        for x, y in loader:
+            with offload:
+                loss = loss_fn(model(x), y)
+                loss.backward()
+            optimizer.step()
+
+    Args are those of `lms.LMSConfig` (all keyword-only); ``config`` passes a ready one instead.
+    """
+
+    def __init__(self, *, config: LMSConfig | None = None, **settings: Any):
+        if config is not None and settings:
+            raise ValueError("lms: pass either config= or settings, not both")
+        self.config = config if config is not None else LMSConfig(**settings)
+        host_limit = self.config.host_budget
+        if host_limit is None:
+            host_limit = _available_host_bytes() // 2
+        self._offloader = Offloader(
+            tier=self.config.tier,
+            host_limit_bytes=int(host_limit),
+            spill_dir=self.config.spill_dir,
+            sync_out=self.config.sync_out,
+        )
+        if self.config.tier == "disk" or (
+            self.config.tier == "auto" and not torch.cuda.is_available()
+        ):
+            self._offloader.check_ready(torch.device("cpu"))
+        self.stats = LMSStats()
+        self._lock = threading.RLock()
+        self._step: _Step | None = None
+        self._record: policy.StepRecord | None = None
+        self._live: dict[int, Entry] = {}
+        self._by_storage: dict[tuple[str, int], tuple[weakref.ref[Any], Entry]] = {}
+        self._fixed_ptrs: set[int] = set()
+        self._next_key = 0
+        self._active = False
+        self._hooks: Any = None
+        self._module_hook: Any = None
+        self._warned_divergence = False
+        self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
+
+    # -- context ---------------------------------------------------------------------------
+    def __enter__(self) -> LMS:
+        if self._active:
+            raise RuntimeError("lms: this LMS block is already active; steps do not nest")
+        with self._lock:
+            previous = self._step
+            if previous is not None and self._record is None and previous.entries:
+                self._record = previous.to_record()
+            self._step = _Step(self.stats.steps + 1, self._record)
+            self.stats.steps += 1
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            self._note_module
+        )
+        self._active = True
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._active = False
+        self._hooks.__exit__(None, None, None)
+        self._module_hook.remove()
+        if exc is not None:
+            self._abort()
+            return
+        with self._lock:
+            step = self._step
+            if step is not None and step.number == 1 and step.entries:
+                self._log_step(step)
+            if not self._live:
+                self._offloader.tidy()
+            self._offloader.raise_error()
+
+    def close(self) -> None:
+        """Release host buffers and spill files now (also done when the object is collected)."""
+        with self._lock:
+            self._offloader.close()
+
+    def _abort(self) -> None:
+        """The step failed: discard offloaded copies, spill files and idle pinned buffers."""
+        with self._lock:
+            entries = list(self._live.values())
+            self._offloader.abort(entries)
+            self._live.clear()
+            self._by_storage.clear()
+            log.info("[LMS] step %d failed; discarded %d offloaded storages", self.stats.steps,
+                     len(entries))
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _note_module(self, module: torch.nn.Module, args: object) -> None:
+        for tensor in module.parameters(recurse=False):
+            self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
+        for tensor in module.buffers(recurse=False):
+            self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
+
+    def _keeps(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` stays where it is: not an activation, or not worth moving."""
+        if getattr(_local, "depth", 0) > 0:
+            return True
+        if type(tensor) is not torch.Tensor:  # parameters, subclasses, fake tensors
+            return True
+        if tensor.is_leaf and tensor.requires_grad:
+            return True
+        if tensor.layout != torch.strided or tensor.is_conj() or tensor.is_neg():
+            return True
+        if tensor.device.type not in ("cpu", "cuda") or tensor.is_quantized:
+            return True
+        storage = tensor.untyped_storage()
+        if storage.nbytes() < max(self.config.min_offload, 1):
+            return True
+        return storage.data_ptr() in self._fixed_ptrs
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        with self._lock:
+            step = self._step
+            assert step is not None
+            step.level += 1
+            self.stats.saved_tensors += 1
+            if self._keeps(tensor):
+                self.stats.kept_tensors += 1
+                return tensor
+            self._offloader.poll()
+            storage = tensor.untyped_storage()
+            slot = (str(tensor.device), storage.data_ptr())
+            found = self._by_storage.get(slot)
+            entry = found[1] if found is not None and found[0]() is storage else None
+            base = tensor if tensor._base is None else tensor._base
+            if entry is None or entry.released or (entry.offloaded and not self._joins(entry, base)):
+                entry = self._new_entry(step, storage, tensor.device, base)
+                self._by_storage[slot] = (weakref.ref(storage), entry)
+            entry.handles += 1
+            return _Handle(self, entry, tensor)
+
+    @staticmethod
+    def _joins(entry: Entry, base: torch.Tensor) -> bool:
+        """Whether a view of ``base`` saved now may share the copy ``entry`` already took.
+
+        Note: [Join a copied storage only through the same base at the same version]
+        After a copy is taken, regions of the storage that no saved view covers may still
+        change: RNN cells update chunks of one storage in place through views with version
+        counters of their own. A view saved later joins the copy only when it comes from the
+        same base tensor and that base's version (shared by all its ordinary views) has not
+        moved since the copy; otherwise the storage is copied again.
+        """
+        owner = entry.base() if entry.base is not None else None
+        return owner is base and base._version == entry.copied_version
+
+    def _new_entry(
+        self,
+        step: _Step,
+        storage: torch.UntypedStorage,
+        device: torch.device,
+        base: torch.Tensor,
+    ) -> Entry:
+        entry = Entry(self._next_key, len(step.entries), storage, device)
+        entry.base = weakref.ref(base)
+        self._next_key += 1
+        self._live[entry.key] = entry
+        step.entries.append(entry)
+        step.save_level[entry.ordinal] = step.level
+        self.stats.saved_bytes += entry.nbytes
+        step.largest_bytes = max(step.largest_bytes, entry.nbytes)
+        if step.baseline_bytes is None:
+            step.baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        if self._planned_offload(step, entry):
+            self._offload(entry)
+        else:
+            step.resident.append(entry)
+            step.resident_bytes += entry.nbytes
+            self._evict(step)
+        self.stats.peak_resident_saved_bytes = max(
+            self.stats.peak_resident_saved_bytes, step.resident_bytes
+        )
+        return entry
+
+    def _allowance(self, step: _Step) -> int | None:
+        budget = self.config.budget_bytes
+        if budget is None:
+            return None
+        return budget - (step.baseline_bytes or 0) - policy.reserve_bytes(step.largest_bytes)
+
+    def _planned_offload(self, step: _Step, entry: Entry) -> bool:
+        """With a record of an earlier step, decide at save time; False means 'keep for now'."""
+        record = step.record
+        if record is None or step.diverged:
+            return False
+        ordinal = entry.ordinal
+        if ordinal >= len(record.nbytes) or record.nbytes[ordinal] != entry.nbytes:
+            step.diverged = True
+            if not self._warned_divergence:
+                self._warned_divergence = True
+                log.warning(
+                    "[LMS] step %d saves tensors other than the recorded step did (at save %d); "
+                    "falling back to the runtime's own policy for this step",
+                    step.number,
+                    ordinal,
+                )
+            return False
+        if step.offload_set is None:
+            chosen: set[int] = set()
+            if self.config.swapout_threshold != -1:
+                chosen |= policy.threshold_offloads(record, self.config.swapout_threshold)
+            allowance = self._allowance(step)
+            if allowance is not None:
+                chosen |= policy.budget_offloads(record.nbytes, allowance)
+            step.offload_set = chosen
+        return ordinal in step.offload_set
+
+    def _evict(self, step: _Step) -> None:
+        """Move the oldest resident entries out while the threshold or the budget demands it."""
+        planned = step.offload_set is not None and not step.diverged
+        threshold = self.config.swapout_threshold
+        lag = policy.threshold_lag(threshold) if threshold != -1 and not planned else None
+        allowance = None if planned else self._allowance(step)
+        newest = len(step.entries) - 1
+        while step.resident:
+            oldest = step.resident[0]
+            by_threshold = lag is not None and newest - oldest.ordinal >= lag
+            by_budget = allowance is not None and step.resident_bytes > allowance
+            if not (by_threshold or by_budget):
+                break
+            step.resident.popleft()
+            step.resident_bytes -= oldest.nbytes
+            if not oldest.released:
+                self._offload(oldest)
+
+    def _offload(self, entry: Entry) -> None:
+        base = entry.base() if entry.base is not None else None
+        entry.copied_version = base._version if base is not None else None
+        self._offloader.offload(entry)
+        if entry.offloaded:
+            self.stats.offloaded_tensors += 1
+            self.stats.offloaded_bytes += entry.nbytes
+            if entry.on_disk:
+                self.stats.spilled_bytes += entry.nbytes
+            self.stats.peak_host_bytes = max(
+                self.stats.peak_host_bytes, self._offloader.peak_host_bytes
+            )
+            self.stats.peak_disk_bytes = max(
+                self.stats.peak_disk_bytes, self._offloader.peak_disk_bytes
+            )
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Handle):
+            return packed
+        entry = packed.entry
+        with self._lock:
+            step = self._step
+            if step is not None and step.owns(entry):
+                step.level += 1
+                step.first_use.setdefault(entry.ordinal, step.level)
+                self._prefetch_after(step, entry)
+            entry.uses += 1
+            # A storage saved as several views stays loaded until each view was read once.
+            hold = entry.uses % entry.handles != 0
+            storage, waited = self._offloader.fetch(entry, hold=hold)
+            self.stats.wait_s += waited
+            self.stats.reloaded_bytes = self._offloader.loaded_bytes
+        out = torch.empty(0, dtype=packed.dtype, device=entry.device)
+        return out.set_(storage, packed.offset, packed.size, packed.stride)
+
+    def _use_queue(self, step: _Step) -> list[Entry]:
+        if step.use_queue is None:
+            record = step.record
+            if record is not None and not step.diverged and len(record.nbytes) == len(step.entries):
+                order = record.use_order
+                seen = set(order)
+                order += [i for i in reversed(range(len(step.entries))) if i not in seen]
+                step.use_queue = [step.entries[i] for i in order]
+            else:
+                step.use_queue = list(reversed(step.entries))
+            step.use_pos = {e.ordinal: i for i, e in enumerate(step.use_queue)}
+        return step.use_queue
+
+    def _prefetch_after(self, step: _Step, entry: Entry) -> None:
+        """Start loading the next offloaded entries backward will read after ``entry``."""
+        if self.config.sync_in:
+            return
+        queue = self._use_queue(step)
+        position = step.use_pos.get(entry.ordinal)
+        if position is None:
+            return
+        allowance = self._allowance(step)
+        in_flight = sum(e.nbytes for e in queue[position:] if e.loading is not None)
+        started = 0
+        for upcoming in queue[position + 1 :]:
+            if started >= self.config.ahead:
+                break
+            if upcoming.released or not upcoming.offloaded:
+                continue
+            if upcoming.loading is not None or upcoming.loaded is not None:
+                started += 1
+                continue
+            if allowance is not None and started > 0 and in_flight + upcoming.nbytes > allowance:
+                break
+            if self._offloader.prefetch(upcoming):
+                in_flight += upcoming.nbytes
+                self.stats.prefetched_bytes += upcoming.nbytes
+            started += 1
+
+    def _drop_handle(self, entry: Entry) -> None:
+        with self._lock:
+            entry.handles -= 1
+            if entry.handles > 0:
+                return
+            step = self._step
+            if step is not None and entry in step.resident:
+                step.resident.remove(entry)
+                step.resident_bytes -= entry.nbytes
+            self._offloader.release(entry)
+            self._live.pop(entry.key, None)
+            if not self._active and not self._live:
+                self._offloader.tidy()
+
+    # -- report ----------------------------------------------------------------------------
+    def _log_step(self, step: _Step) -> None:
+        log.info(
+            "[LMS] step %d saved %d storages (%s); offloaded %d (%s), %s to disk; "
+            "peak resident saved %s",
+            step.number,
+            len(step.entries),
+            format_bytes(sum(e.nbytes for e in step.entries)),
+            self.stats.offloaded_tensors,
+            format_bytes(self.stats.offloaded_bytes),
+            format_bytes(self.stats.spilled_bytes),
+            format_bytes(self.stats.peak_resident_saved_bytes),
+        )
+
+    @property
+    def spill_folder(self) -> str | None:
+        """The folder holding this runtime's spill files, while it has one."""
+        disk = self._offloader.disk
+        return disk.folder if disk is not None else None

@@ -1,0 +1,43 @@
+"""`LMSStats`: what the runtime moved and what it cost, for the last step and in total."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["LMSStats"]
+
+
+@dataclasses.dataclass
+class LMSStats:
+    """Counters of one `lms.LMS`, summed over its steps unless the name says otherwise."""
+
+    steps: int = 0
+    """Steps (``with`` blocks) run."""
+    saved_tensors: int = 0
+    """Tensors autograd saved under the runtime."""
+    saved_bytes: int = 0
+    """Bytes of distinct storages among them."""
+    kept_tensors: int = 0
+    """Saved tensors left on the device: parameters, buffers, small ones, `no_offload` regions."""
+    offloaded_tensors: int = 0
+    """Storages moved out of device memory."""
+    offloaded_bytes: int = 0
+    """Bytes moved out of device memory."""
+    spilled_bytes: int = 0
+    """Of those, bytes written to spill files."""
+    prefetched_bytes: int = 0
+    """Bytes brought back ahead of their use."""
+    reloaded_bytes: int = 0
+    """Bytes brought back (ahead of use or on demand), counting each reload."""
+    wait_s: float = 0.0
+    """Seconds backward waited for data to come back."""
+    peak_resident_saved_bytes: int = 0
+    """Largest bytes of saved storages held on the device at once."""
+    peak_host_bytes: int = 0
+    """Largest host memory held by offloaded data."""
+    peak_disk_bytes: int = 0
+    """Largest disk space held by spill files."""
+
+    def as_dict(self) -> dict[str, float]:
+        """The counters as a plain dict."""
+        return dataclasses.asdict(self)

@@ -1,0 +1,346 @@
+"""Where offloaded storages live: host buffers from the pool, or spill files, and back.
+
+An `Entry` is one device storage that autograd saved (once, or as several views). The `Offloader`
+moves its bytes out and in; it never decides *what* to move (that is the session's policy).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from lms._units import format_bytes
+from lms.errors import HostMemoryError, StepAbortedError
+from lms.runtime.disk import SpillStore
+from lms.runtime.pool import HostPool
+
+__all__ = ["Entry", "Offloader"]
+
+
+def _as_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over the whole of ``storage``."""
+    flat = torch.empty(0, dtype=torch.uint8, device=device)
+    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+class Entry:
+    """One saved storage and where its bytes are."""
+
+    __slots__ = (
+        "key",
+        "ordinal",
+        "device",
+        "nbytes",
+        "storage",
+        "handles",
+        "offloaded",
+        "host_buf",
+        "on_disk",
+        "pending_out",
+        "loading",
+        "loaded",
+        "last",
+        "aborted",
+        "released",
+        "in_event",
+        "uses",
+        "base",
+        "copied_version",
+    )
+
+    def __init__(self, key: int, ordinal: int, storage: torch.UntypedStorage, device: torch.device):
+        self.key = key
+        self.ordinal = ordinal
+        self.device = device
+        self.nbytes = storage.nbytes()
+        self.storage: torch.UntypedStorage | None = storage
+        self.handles = 0
+        self.offloaded = False
+        self.host_buf: torch.Tensor | None = None
+        self.on_disk = False
+        self.pending_out: Any = None  # a CUDA event or a write future
+        self.loading: Any = None  # a read future, or (device tensor, CUDA event)
+        self.loaded: torch.UntypedStorage | None = None
+        self.last: weakref.ref[torch.UntypedStorage] | None = None
+        self.aborted = False
+        self.released = False
+        self.in_event: Any = None  # the CUDA event of the last copy in from the host buffer
+        self.uses = 0
+        self.base: weakref.ref[torch.Tensor] | None = None  # the tensor its views come from
+        self.copied_version: int | None = None  # the base's version when the copy was taken
+
+
+class Offloader:
+    """Moves entries' bytes to host buffers or spill files and back, for one device type."""
+
+    def __init__(
+        self,
+        *,
+        tier: str,
+        host_limit_bytes: int,
+        spill_dir: str | None,
+        sync_out: bool,
+    ):
+        self.tier = tier
+        self.host_limit_bytes = host_limit_bytes
+        self.spill_dir = spill_dir
+        self.sync_out = sync_out
+        self._pool: HostPool | None = None
+        self._disk: SpillStore | None = None
+        self._engine: Any = None
+        self._pending: list[Entry] = []
+        self._error: BaseException | None = None
+        self.disk_bytes = 0
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
+        self.peak_disk_bytes = 0
+        self.loaded_bytes = 0
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _pool_for(self, device: torch.device) -> HostPool:
+        if self._pool is None:
+            self._pool = HostPool(self.host_limit_bytes, pin=device.type == "cuda")
+        return self._pool
+
+    def _disk_store(self) -> SpillStore:
+        if self._disk is None:
+            self._disk = SpillStore(self.spill_dir)
+        return self._disk
+
+    def _engine_for(self, device: torch.device) -> Any:
+        if self._engine is None:
+            from lms.runtime._cuda import CopyEngine
+
+            self._engine = CopyEngine(device)
+        return self._engine
+
+    def _uses_disk(self, device: torch.device) -> bool:
+        return self.tier == "disk" or (self.tier == "auto" and device.type == "cpu")
+
+    def check_ready(self, device: torch.device) -> None:
+        """Open what the tier needs for ``device`` now, so bad settings fail before training."""
+        if self._uses_disk(device) or self.tier == "auto":
+            self._disk_store()
+
+    # -- out ---------------------------------------------------------------------------------
+    def offload(self, entry: Entry) -> None:
+        """Start moving ``entry`` out of device memory."""
+        assert entry.storage is not None and not entry.offloaded
+        device = entry.device
+        src = _as_bytes(entry.storage, device)
+        if not self._uses_disk(device):
+            buf = self._pool_for(device).acquire(entry.nbytes)
+            if buf is not None:
+                dst = buf[: entry.nbytes]
+                if device.type == "cuda":
+                    entry.pending_out = self._engine_for(device).copy_out(src, dst)
+                else:
+                    dst.copy_(src)
+                entry.host_buf = buf
+                self.host_bytes += buf.numel()
+                self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+                self._finish_out(entry)
+                return
+            if self.tier == "host":
+                raise HostMemoryError(
+                    f"lms: host memory for offloaded data is full: {format_bytes(self.host_bytes)}"
+                    f" held, {format_bytes(entry.nbytes)} more needed, host_budget "
+                    f"{format_bytes(self.host_limit_bytes)}; raise host_budget, use tier='auto' "
+                    "to overflow to disk, or lower the batch size"
+                )
+        if device.type != "cpu":
+            src = src.to("cpu")  # a host copy that the write holds until it is on disk
+        entry.pending_out = self._disk_store().write(entry.key, src)
+        entry.on_disk = True
+        self.disk_bytes += entry.nbytes
+        self.peak_disk_bytes = max(self.peak_disk_bytes, self.disk_bytes)
+        self._finish_out(entry)
+
+    def _finish_out(self, entry: Entry) -> None:
+        entry.offloaded = True
+        if entry.pending_out is None:
+            entry.storage = None
+        elif self.sync_out:
+            self._complete(entry, wait=True)
+        else:
+            self._pending.append(entry)
+
+    def _complete(self, entry: Entry, *, wait: bool) -> bool:
+        """Drop the device storage once its copy out has finished; True when done."""
+        pending = entry.pending_out
+        if pending is None:
+            return True
+        if isinstance(pending, concurrent.futures.Future):
+            if not wait and not pending.done():
+                return False
+            error = pending.exception()
+            if error is not None:
+                # The data is still on the device: keep it there, nothing is lost.
+                entry.pending_out = None
+                entry.on_disk = False
+                entry.offloaded = False
+                self.disk_bytes -= entry.nbytes
+                self._error = self._error or error
+                return True
+        else:
+            if wait:
+                pending.synchronize()
+            elif not pending.query():
+                return False
+        # Note: [Free after the copy event]
+        entry.pending_out = None
+        entry.storage = None
+        return True
+
+    def poll(self) -> None:
+        """Finish copies out that are done; raise the first error a background copy hit."""
+        self._pending = [e for e in self._pending if not self._complete(e, wait=False)]
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        """Raise (once) the error a background copy hit."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # -- in ----------------------------------------------------------------------------------
+    def prefetch(self, entry: Entry) -> bool:
+        """Start bringing ``entry`` back; False when it needs no load."""
+        if not entry.offloaded or entry.loading is not None or entry.loaded is not None:
+            return False
+        if entry.last is not None and entry.last() is not None:
+            return False
+        if entry.aborted:
+            return False
+        device = entry.device
+        if entry.on_disk:
+            if entry.pending_out is not None:
+                self._complete(entry, wait=True)
+                if not entry.offloaded:  # the write failed; the data stayed resident
+                    return False
+            into = torch.empty(entry.nbytes, dtype=torch.uint8)
+            entry.loading = self._disk_store().read(entry.key, into)
+        else:
+            assert entry.host_buf is not None
+            src = entry.host_buf[: entry.nbytes]
+            if device.type == "cuda":
+                if entry.pending_out is not None:
+                    self._complete(entry, wait=False)
+                entry.loading = self._engine_for(device).copy_in(src)
+            else:
+                entry.loading = src.clone()
+        self.loaded_bytes += entry.nbytes
+        return True
+
+    def fetch(self, entry: Entry, *, hold: bool = False) -> tuple[torch.UntypedStorage, float]:
+        """The device storage of ``entry``, loading it if needed; also the seconds waited.
+
+        With ``hold``, the loaded storage stays referenced for the entry's other views.
+        """
+        if entry.storage is not None:
+            return entry.storage, 0.0
+        if entry.aborted:
+            raise StepAbortedError(
+                "lms: backward needs a tensor whose offloaded copy was discarded when its step "
+                "failed; run forward again"
+            )
+        if entry.loaded is not None:
+            storage = entry.loaded
+            entry.loaded = storage if hold else None
+            entry.last = weakref.ref(storage)
+            return storage, 0.0
+        if entry.last is not None:
+            alive = entry.last()
+            if alive is not None:
+                return alive, 0.0
+        if entry.loading is None:
+            self.prefetch(entry)
+            if entry.storage is not None:
+                return entry.storage, 0.0
+        start = time.perf_counter()
+        loading, entry.loading = entry.loading, None
+        if isinstance(loading, concurrent.futures.Future):
+            data = loading.result()
+            if entry.device.type != "cpu":
+                data = data.to(entry.device)
+        elif isinstance(loading, tuple):
+            data, event = loading
+            self._engine_for(entry.device).wait(event)
+            assert entry.host_buf is not None
+            # Keep the copy's event with the host buffer so it is not reused before it is read.
+            entry.in_event = event
+        else:
+            data = loading
+        waited = time.perf_counter() - start
+        storage = data.untyped_storage()
+        entry.last = weakref.ref(storage)
+        entry.loaded = storage if hold else None
+        return storage, waited
+
+    # -- end of life -------------------------------------------------------------------------
+    def release(self, entry: Entry) -> None:
+        """Free the host buffer or spill file of ``entry`` (its handles are all gone)."""
+        if entry.released:
+            return
+        entry.released = True
+        if entry.pending_out is not None and entry.on_disk:
+            self._complete(entry, wait=True)
+        if entry.host_buf is not None:
+            event = entry.in_event if entry.pending_out is None else entry.pending_out
+            self.host_bytes -= entry.host_buf.numel()
+            if self._pool is not None:
+                self._pool.release(entry.host_buf, event)
+            entry.host_buf = None
+        if entry.on_disk and self._disk is not None:
+            self._disk.delete(entry.key, entry.nbytes)
+            self.disk_bytes -= entry.nbytes
+            entry.on_disk = False
+        entry.storage = None
+        entry.loaded = None
+        entry.loading = None
+        entry.pending_out = None
+
+    def abort(self, entries: list[Entry]) -> None:
+        """Discard every offloaded copy of ``entries``; resident data stays usable."""
+        for entry in entries:
+            if entry.pending_out is not None:
+                self._complete(entry, wait=True)
+            if entry.storage is None:
+                entry.aborted = True
+            self.release(entry)
+        self._pending = []
+        self._error = None
+        self.close()
+
+    def tidy(self) -> None:
+        """Remove the spill folder once nothing is in it."""
+        if self._disk is not None and self.disk_bytes == 0:
+            self._disk.close()
+            self._disk = None
+
+    def close(self) -> None:
+        """Remove spill files and drop the idle buffers of the pool."""
+        for entry in self._pending:
+            self._complete(entry, wait=True)
+        self._pending = []
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
+            self.disk_bytes = 0
+        if self._pool is not None:
+            self._pool.clear()
+
+    @property
+    def pool(self) -> HostPool | None:
+        """The host buffer pool, once one was made."""
+        return self._pool
+
+    @property
+    def disk(self) -> SpillStore | None:
+        """The spill store, once one was made."""
+        return self._disk
+

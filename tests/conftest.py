@@ -1,0 +1,48 @@
+import contextlib
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def spill_dir(tmp_path):
+    folder = tmp_path / "spill"
+    folder.mkdir()
+    yield str(folder)
+
+
+def run_step(model, inputs, ctx=None, *, seed=0, loss_fn=None, retain=False):
+    """One forward + backward; returns (loss, grads) detached and cloned."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with ctx if ctx is not None else contextlib.nullcontext():
+        out = model(*inputs)
+        loss = loss_fn(out) if loss_fn else out.float().square().mean()
+        loss.backward(retain_graph=retain)
+        if retain:
+            loss.backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    return loss.detach().clone(), grads
+
+
+def assert_bitwise(ref, got):
+    assert torch.equal(ref[0], got[0]), (ref[0], got[0])
+    assert len(ref[1]) == len(got[1])
+    for a, b in zip(ref[1], got[1]):
+        assert torch.equal(a, b)
+
+
+def spill_files(folder):
+    return [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs] + [
+        d for d, _, _ in os.walk(folder) if d != folder
+    ]

@@ -1,6 +1,7 @@
 """Large Model Support for PyTorch: train past device memory by offloading saved activations."""
 
 from lms._units import format_bytes, parse_bytes
+from lms.analysis import DeviceSpec, Report, Trace, analyze, device_spec, simulate
 from lms.config import LMSConfig
 from lms.errors import (
     HostMemoryError,
@@ -9,6 +10,7 @@ from lms.errors import (
     SpillError,
     StepAbortedError,
 )
+from lms.plan import Plan
 from lms.runtime import LMS, LMSStats, no_offload
 
 __all__ = [
@@ -16,6 +18,13 @@ __all__ = [
     "LMSConfig",
     "LMSStats",
     "no_offload",
+    "analyze",
+    "Report",
+    "simulate",
+    "Trace",
+    "Plan",
+    "DeviceSpec",
+    "device_spec",
     "LMSError",
     "SpillError",
     "HostMemoryError",

@@ -12,7 +12,7 @@ import math
 
 __all__ = ["StepRecord", "threshold_lag", "budget_offloads", "threshold_offloads", "reserve_bytes"]
 
-RESERVE_FACTOR = 3
+RESERVE_FACTOR = 4
 
 
 @dataclasses.dataclass(frozen=True)

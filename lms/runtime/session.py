@@ -142,6 +142,7 @@ class LMS:
         self._hooks: Any = None
         self._module_hook: Any = None
         self._warned_divergence = False
+        self._back_bytes = 0  # bytes of offloaded storages brought back and not yet released
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
 
     # -- context ---------------------------------------------------------------------------
@@ -189,6 +190,7 @@ class LMS:
             self._offloader.abort(entries)
             self._live.clear()
             self._by_storage.clear()
+            self._step = None  # a failed step is no record to follow
             log.info("[LMS] step %d failed; discarded %d offloaded storages", self.stats.steps,
                      len(entries))
 
@@ -270,6 +272,7 @@ class LMS:
             step.baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         if self._planned_offload(step, entry):
             self._offload(entry)
+            self._evict(step)
         else:
             step.resident.append(entry)
             step.resident_bytes += entry.nbytes
@@ -329,6 +332,15 @@ class LMS:
             step.resident_bytes -= oldest.nbytes
             if not oldest.released:
                 self._offload(oldest)
+        limit = self._allowance(step)
+        if limit is None:
+            return
+        # Evicted storages occupy the device until their copy out is done: wait for the oldest
+        # while they would take the step over its budget.
+        while self._offloader.pending_bytes and (
+            step.resident_bytes + self._offloader.pending_bytes > limit
+        ):
+            self._offloader.wait_oldest()
 
     def _offload(self, entry: Entry) -> None:
         base = entry.base() if entry.base is not None else None
@@ -359,6 +371,8 @@ class LMS:
             entry.uses += 1
             # A storage saved as several views stays loaded until each view was read once.
             hold = entry.uses % entry.handles != 0
+            if entry.offloaded:
+                self._mark_back(entry)
             storage, waited = self._offloader.fetch(entry, hold=hold)
             self.stats.wait_s += waited
             self.stats.reloaded_bytes = self._offloader.loaded_bytes
@@ -387,22 +401,26 @@ class LMS:
         if position is None:
             return
         allowance = self._allowance(step)
-        in_flight = sum(e.nbytes for e in queue[position:] if e.loading is not None)
         started = 0
         for upcoming in queue[position + 1 :]:
             if started >= self.config.ahead:
                 break
             if upcoming.released or not upcoming.offloaded:
                 continue
-            if upcoming.loading is not None or upcoming.loaded is not None:
-                started += 1
+            started += 1
+            if upcoming.back:
                 continue
-            if allowance is not None and started > 0 and in_flight + upcoming.nbytes > allowance:
+            on_device = step.resident_bytes + self._back_bytes + upcoming.nbytes
+            if allowance is not None and on_device > allowance:
                 break
             if self._offloader.prefetch(upcoming):
-                in_flight += upcoming.nbytes
+                self._mark_back(upcoming)
                 self.stats.prefetched_bytes += upcoming.nbytes
-            started += 1
+
+    def _mark_back(self, entry: Entry) -> None:
+        if not entry.back:
+            entry.back = True
+            self._back_bytes += entry.nbytes
 
     def _drop_handle(self, entry: Entry) -> None:
         with self._lock:
@@ -413,6 +431,9 @@ class LMS:
             if step is not None and entry in step.resident:
                 step.resident.remove(entry)
                 step.resident_bytes -= entry.nbytes
+            if entry.back:
+                entry.back = False
+                self._back_bytes -= entry.nbytes
             self._offloader.release(entry)
             self._live.pop(entry.key, None)
             if not self._active and not self._live:

@@ -50,6 +50,7 @@ class Entry:
         "uses",
         "base",
         "copied_version",
+        "back",
     )
 
     def __init__(self, key: int, ordinal: int, storage: torch.UntypedStorage, device: torch.device):
@@ -72,6 +73,7 @@ class Entry:
         self.uses = 0
         self.base: weakref.ref[torch.Tensor] | None = None  # the tensor its views come from
         self.copied_version: int | None = None  # the base's version when the copy was taken
+        self.back = False  # brought back to the device since it was offloaded
 
 
 class Offloader:
@@ -195,6 +197,17 @@ class Offloader:
         entry.pending_out = None
         entry.storage = None
         return True
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of device storages whose copy out has not finished (still occupying memory)."""
+        return sum(entry.nbytes for entry in self._pending)
+
+    def wait_oldest(self) -> None:
+        """Wait for the oldest copy out still in flight."""
+        if self._pending:
+            self._complete(self._pending.pop(0), wait=True)
+            self.raise_error()
 
     def poll(self) -> None:
         """Finish copies out that are done; raise the first error a background copy hit."""

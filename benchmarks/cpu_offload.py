@@ -1,0 +1,135 @@
+"""CPU benchmark of the runtime: a 10-layer 32-channel conv net at 1280x1280, batch 1.
+
+Each configuration runs in its own subprocess (a warm-up step, then a measured one) and is repeated;
+the medians are compared side by side:
+- plain: no offload;
+- lms-1GiB-disk: ``LMS(budget="1GiB", tier="disk")``;
+- lms-roomy: ``LMS(budget="64GiB", tier="disk")`` (nothing needs to move).
+The net runs in channels-last format (``--memory-format contiguous`` for NCHW): oneDNN then needs no
+layout copies in convolution backward, whose working set is the floor any offload can reach.
+Goals: the budgeted run's peak RSS growth stays under the budget and at most 35% of the plain
+step's, at most 15% more time; the roomy run at most 3% more time.
+
+    python benchmarks/cpu_offload.py [--repeats 3] [--size 1280] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+CONFIGS = {
+    "plain": None,
+    "lms-1GiB-disk": dict(budget="1GiB", tier="disk"),
+    "lms-roomy": dict(budget="64GiB", tier="disk"),
+}
+
+
+def _model(torch):
+    layers = [torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU()]
+    for _ in range(9):
+        layers += [torch.nn.Conv2d(32, 32, 3, padding=1), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers)
+
+
+def child(config: str, size: int, memory_format: str) -> dict:
+    import contextlib
+
+    import torch
+
+    import lms
+    from lms.bench.rss import PeakRSS
+
+    torch.manual_seed(0)
+    fmt = getattr(torch, memory_format)
+    model = _model(torch).to(memory_format=fmt)
+    x = torch.randn(1, 3, size, size).contiguous(memory_format=fmt)
+    settings = CONFIGS[config]
+    offload = lms.LMS(**settings) if settings is not None else None
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with offload if offload is not None else contextlib.nullcontext():
+            model(x).square().mean().backward()
+
+    step()  # warm-up; with LMS, the recorded step
+    with PeakRSS() as peak:
+        start = time.perf_counter()
+        step()
+        seconds = time.perf_counter() - start
+    result = {"config": config, "step_s": seconds, "rss_growth_bytes": peak.growth_bytes}
+    if offload is not None:
+        result["stats"] = offload.stats.as_dict()
+        offload.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--size", type=int, default=1280)
+    parser.add_argument("--json", default="benchmarks/results/cpu_offload.json")
+    parser.add_argument(
+        "--memory-format", default="channels_last", choices=["channels_last", "contiguous"]
+    )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.size, args.memory_format)))
+        return
+
+    runs: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+    for repeat in range(args.repeats):
+        for name in CONFIGS:  # interleaved, so drift hits every configuration alike
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", name, "--size", str(args.size),
+                 "--memory-format", args.memory_format],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            run = json.loads(out.strip().splitlines()[-1])
+            runs[name].append(run)
+            print(
+                f"[{repeat + 1}/{args.repeats}] {name:14s} step {run['step_s']:6.2f} s  "
+                f"RSS growth {run['rss_growth_bytes'] / 2**30:6.3f} GiB",
+                flush=True,
+            )
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[name])
+
+    plain_s, plain_rss = median("plain", "step_s"), median("plain", "rss_growth_bytes")
+    summary = {
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, CPU only",
+        "model": f"10-layer 32-channel conv net, {args.size}x{args.size}, batch 1, fp32, "
+        f"{args.memory_format}",
+        "repeats": args.repeats,
+        "median_step_s": {name: median(name, "step_s") for name in CONFIGS},
+        "median_rss_growth_bytes": {name: median(name, "rss_growth_bytes") for name in CONFIGS},
+        "budget_bytes": 2**30,
+        "lms_rss_over_plain": median("lms-1GiB-disk", "rss_growth_bytes") / plain_rss,
+        "lms_time_over_plain": median("lms-1GiB-disk", "step_s") / plain_s,
+        "roomy_time_over_plain": median("lms-roomy", "step_s") / plain_s,
+        "runs": runs,
+    }
+    summary["goals_met"] = {
+        "rss_under_budget": summary["median_rss_growth_bytes"]["lms-1GiB-disk"] < 2**30,
+        "rss_at_most_35pct": summary["lms_rss_over_plain"] <= 0.35,
+        "time_at_most_15pct_more": summary["lms_time_over_plain"] <= 1.15,
+        "roomy_at_most_3pct_more": summary["roomy_time_over_plain"] <= 1.03,
+    }
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as out:
+        json.dump(summary, out, indent=2)
+    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""`lms.analyze`: trace a step with fake tensors, simulate it without and with LMS, report."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lms._units import parse_bytes
+from lms.analysis.devices import DeviceSpec, device_spec
+from lms.analysis.records import Trace
+from lms.analysis.simulate import SimResult, runtime_plan, simulate
+from lms.analysis.trace import StepFn, trace_step
+from lms.config import AUTO_MIN_OFFLOAD_BYTES
+from lms.plan import Plan
+
+__all__ = ["analyze", "Report"]
+
+log = logging.getLogger("lms.analysis")
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The analysis of one step on one device: trace, plan and both simulations."""
+
+    trace: Trace
+    spec: DeviceSpec
+    budget_bytes: int
+    plain: SimResult
+    plan: Plan | None
+    planned: SimResult | None
+    trace_seconds: float
+    tune_seconds: float
+
+    @property
+    def needed(self) -> bool:
+        """Whether the step needs LMS to fit."""
+        return self.plain.peak_bytes > self.budget_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether the step fits: as it is, or with the plan."""
+        if not self.needed:
+            return True
+        return self.planned is not None and self.planned.peak_bytes <= self.budget_bytes
+
+    def lines(self) -> list[str]:
+        """The `[LMS]` information lines."""
+        from lms.report.text import info_lines
+
+        return info_lines(
+            self.trace,
+            self.spec,
+            self.plain,
+            self.plan,
+            self.planned,
+            budget_bytes=self.budget_bytes,
+        )
+
+    def log(self, logger: logging.Logger = log) -> None:
+        """Log the information lines at INFO."""
+        for line in self.lines():
+            logger.info("%s", line)
+
+    def plot(self, path: str | os.PathLike[str]) -> None:
+        """Write the simulated memory graph (PNG)."""
+        from lms.report.plot import plot_memory
+
+        plot_memory(
+            path,
+            self.plain,
+            self.planned if self.needed else None,
+            budget_bytes=self.budget_bytes,
+            title=f"{self.trace.name} on {self.spec.name}: simulated device memory",
+        )
+
+    def save_snapshot(self, path: str | os.PathLike[str], *, with_lms: bool = True) -> None:
+        """Write a memory_viz snapshot (pickle; JSON when the path ends in .json)."""
+        from lms.report.memviz import save_snapshot
+
+        result = self.planned if with_lms and self.planned is not None else self.plain
+        save_snapshot(path, self.trace, result)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready summary."""
+        largest = self.trace.largest_op
+        planned = self.planned if self.needed else None
+        return {
+            "model": self.trace.name,
+            "input_shapes": [list(s) for s in self.trace.input_shapes],
+            "device_spec": self.spec.name,
+            "gpu_memory_bytes": self.budget_bytes,
+            "peak_bytes": self.plain.peak_bytes,
+            "peak_tensor_bytes": self.plain.peak_tensor_bytes,
+            "lms_needed": self.needed,
+            "lms_peak_bytes": planned.peak_bytes if planned else self.plain.peak_bytes,
+            "fits": self.fits,
+            "num_ops": len(self.trace.ops),
+            "num_edges": self.trace.num_edges,
+            "num_levels": self.trace.num_levels,
+            "param_bytes": self.trace.param_bytes,
+            "largest_op": {
+                "name": largest.name,
+                "module": largest.module,
+                "bytes": largest.working_set_bytes,
+            },
+            "trace_seconds": self.trace_seconds,
+            "tune_seconds": self.tune_seconds,
+            "offloaded_bytes": planned.offloaded_bytes if planned else 0,
+            "offloaded_tensors": planned.offloaded_tensors if planned else 0,
+            "host_peak_bytes": planned.host_peak_bytes if planned else 0,
+            "predicted_step_s": (planned or self.plain).step_s,
+            "predicted_overhead": planned.overhead if planned else 0.0,
+            "plan": dataclasses.asdict(self.plan) if self.plan and planned else None,
+        }
+
+
+def analyze(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    batch: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]],
+    step_fn: StepFn | None = None,
+    *,
+    gpu_memory: int | str | None = None,
+    device_spec: DeviceSpec | str = "v100-32gb",
+    autocast: torch.dtype | None = None,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    planner: Callable[[Trace, DeviceSpec, int], Plan] | None = None,
+    min_offload_bytes: int = AUTO_MIN_OFFLOAD_BYTES,
+    name: str = "model",
+) -> Report:
+    """Trace one training step with fake tensors and predict its memory with and without LMS.
+
+    Args:
+        model: a module, or a function that builds one (built under fake tensors: no memory).
+        batch: the input tensors, or a function that makes them.
+        step_fn: ``step_fn(model, batch)`` runs forward, loss and backward.
+        gpu_memory: device memory the step may use (default: the spec's whole memory).
+        device_spec: a `DeviceSpec` or its name (see `lms.analysis.devices.DEVICES`).
+        autocast: trace under autocast to this dtype.
+        optimizer: builds an optimizer whose ``step()`` ends the step.
+        planner: ``planner(trace, spec, budget) -> Plan``; default: the runtime's own policy.
+        min_offload_bytes: as in `lms.LMS`.
+        name: the model's name in reports.
+    """
+    spec = device_spec if isinstance(device_spec, DeviceSpec) else _spec(device_spec)
+    budget = spec.memory_bytes if gpu_memory is None else parse_bytes(gpu_memory, field="gpu_memory")
+    started = time.perf_counter()
+    trace = trace_step(
+        model,
+        batch,
+        step_fn,
+        autocast=autocast,
+        optimizer=optimizer,
+        min_offload_bytes=min_offload_bytes,
+        name=name,
+    )
+    trace_seconds = time.perf_counter() - started
+    half = autocast in (torch.float16, torch.bfloat16)
+    plain = simulate(trace, None, spec, half=half)
+    plan = planned = None
+    started = time.perf_counter()
+    if plain.peak_bytes > budget:
+        if planner is not None:
+            plan = planner(trace, spec, budget)
+        else:
+            plan = runtime_plan(trace, budget)
+        planned = simulate(trace, plan, spec, half=half)
+        plan = dataclasses.replace(
+            plan, predicted_peak_bytes=planned.peak_bytes, predicted_overhead=planned.overhead
+        )
+    tune_seconds = time.perf_counter() - started
+    report = Report(trace, spec, budget, plain, plan, planned, trace_seconds, tune_seconds)
+    report.log()
+    return report
+
+
+def _spec(name: str) -> DeviceSpec:
+    return device_spec(name)

@@ -1,0 +1,109 @@
+"""Device specs: memory, peak rates and copy bandwidth of the machines plans are made for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lms._units import parse_bytes
+
+__all__ = ["DeviceSpec", "DEVICES", "device_spec"]
+
+GiB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    """What the simulator needs to know of a device and its link to host memory (or disk)."""
+
+    name: str
+    """Short key, as in ``"v100-32gb-nvlink"``."""
+    memory_bytes: int
+    """Device memory."""
+    peak_flops: float
+    """Dense fp32 (or tf32 where used by default) rate, FLOP/s."""
+    peak_flops_half: float
+    """fp16/bf16 tensor-core rate, FLOP/s."""
+    memory_bandwidth_gbps: float
+    """Device memory bandwidth, GB/s."""
+    d2h_gbps: float
+    """Copy bandwidth device to host (or to disk for "cpu"), GB/s per direction."""
+    h2d_gbps: float
+    """Copy bandwidth host to device (or from disk), GB/s per direction."""
+    link: str
+    """The link, in words."""
+    workspace_bytes: int = 0
+    """Memory libraries take on top of tensors (cuDNN/cuBLAS workspaces), kept free."""
+    alloc_round_bytes: int = 512
+    """The caching allocator's rounding of each block."""
+    op_overhead_s: float = 5e-6
+    """Launch cost of one op."""
+
+    def with_memory(self, memory: int | str) -> DeviceSpec:
+        """The same device with another memory size (a limited or a larger card)."""
+        return dataclasses.replace(self, memory_bytes=parse_bytes(memory, field="gpu_memory"))
+
+
+def _gpu(name: str, mem_gib: float, fp32: float, half: float, hbm: float, link_gbps: float,
+         link: str) -> DeviceSpec:
+    return DeviceSpec(
+        name=name,
+        memory_bytes=int(mem_gib * GiB),
+        peak_flops=fp32 * 1e12,
+        peak_flops_half=half * 1e12,
+        memory_bandwidth_gbps=hbm,
+        d2h_gbps=link_gbps,
+        h2d_gbps=link_gbps,
+        link=link,
+        workspace_bytes=512 * 1024**2,
+    )
+
+
+# Link rates are per direction as measured in practice, not the marketing sum of both.
+DEVICES: dict[str, DeviceSpec] = {
+    spec.name: spec
+    for spec in (
+        _gpu("v100-16gb-nvlink", 16, 15.7, 125, 900, 68.0, "NVLink 2.0 (150 GB/s, 3 bricks)"),
+        _gpu("v100-32gb-nvlink", 32, 15.7, 125, 900, 68.0, "NVLink 2.0 (150 GB/s, 3 bricks)"),
+        _gpu("v100-16gb-pcie3", 16, 14.0, 112, 900, 12.0, "PCIe Gen3 x16"),
+        _gpu("v100-32gb-pcie3", 32, 14.0, 112, 900, 12.0, "PCIe Gen3 x16"),
+        _gpu("a100-40gb", 40, 19.5 * 8, 312, 1555, 24.0, "PCIe Gen4 x16"),
+        _gpu("a100-80gb", 80, 19.5 * 8, 312, 2039, 24.0, "PCIe Gen4 x16"),
+        _gpu("h100-80gb", 80, 67 * 7, 989, 3350, 52.0, "PCIe Gen5 x16"),
+        _gpu("h200-141gb", 141, 67 * 7, 989, 4800, 52.0, "PCIe Gen5 x16"),
+        _gpu("gh200-96gb", 96, 67 * 7, 989, 4000, 400.0, "NVLink-C2C"),
+        DeviceSpec(
+            name="cpu",
+            memory_bytes=24 * GiB,
+            peak_flops=60e9,
+            peak_flops_half=30e9,
+            memory_bandwidth_gbps=15.0,
+            d2h_gbps=1.5,
+            h2d_gbps=3.0,
+            link="spill files (page cache and disk)",
+            op_overhead_s=20e-6,
+        ),
+    )
+}
+ALIASES = {
+    "v100": "v100-32gb-nvlink",
+    "v100-16gb": "v100-16gb-nvlink",
+    "v100-32gb": "v100-32gb-nvlink",
+    "a100": "a100-80gb",
+    "h100": "h100-80gb",
+    "h200": "h200-141gb",
+    "gh200": "gh200-96gb",
+}
+
+
+def device_spec(name: str, *, memory: int | str | None = None) -> DeviceSpec:
+    """Look up a spec by name (or alias), optionally with another memory size.
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones.
+    """
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in DEVICES:
+        known = ", ".join(sorted(DEVICES) + sorted(ALIASES))
+        raise ValueError(f"lms: device_spec={name!r} is unknown; known: {known}")
+    spec = DEVICES[key]
+    return spec.with_memory(memory) if memory is not None else spec

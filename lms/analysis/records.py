@@ -1,0 +1,150 @@
+"""The records shared between stages: a traced step, what the simulator makes of it.
+
+Times in a trace are op indices: op ``i`` is the ``i``-th aten operation of the step. A storage
+allocated by op ``a`` and freed after op ``f`` occupies memory while ops ``a..f`` run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Literal
+
+__all__ = ["OpRecord", "StorageRecord", "SavedEvent", "Trace"]
+
+Phase = Literal["forward", "backward", "optimizer"]
+Kind = Literal["param", "buffer", "input", "activation", "gradient", "state"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+    """One aten operation."""
+
+    index: int
+    name: str
+    """The overload, as in ``aten.convolution.default``."""
+    module: str
+    """Fully qualified name of the innermost module running it (``Global`` outside any)."""
+    phase: Phase
+    flops: int
+    """Floating-point operations, from PyTorch's FLOP counter (0 for ops it does not count)."""
+    read_bytes: int
+    """Bytes of the distinct input storages."""
+    written_bytes: int
+    """Bytes of the distinct output storages."""
+    inputs: tuple[int, ...]
+    """Storage ids read."""
+    outputs: tuple[int, ...]
+    """Storage ids written (new allocations and in-place targets)."""
+
+    @property
+    def working_set_bytes(self) -> int:
+        """Inputs and outputs that must be resident at once while the op runs."""
+        return self.read_bytes + self.written_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageRecord:
+    """One storage: its bytes and when it lives."""
+
+    id: int
+    nbytes: int
+    kind: Kind
+    alloc_op: int
+    """Op that allocated it; -1 when it existed before the step."""
+    free_op: int | None
+    """Last op during which it was alive; None when it outlives the step."""
+    last_forward_op: int
+    """Last forward op that read or wrote it (-1 if none): when it dies if autograd lets go."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedEvent:
+    """A saved-tensor event: autograd saving a tensor (pack) or reading it back (unpack)."""
+
+    level: int
+    """Position in the step's sequence of saved-tensor events, from 1."""
+    op: int
+    """Index of the next op to run when the event happened."""
+    kind: Literal["save", "use"]
+    storage: int
+    nbytes: int
+    offloadable: bool
+    """False for parameters, buffers, leaves that require grad, and tensors below the size floor."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """Everything one traced training step did, in order."""
+
+    name: str
+    input_shapes: tuple[tuple[int, ...], ...]
+    device: str
+    ops: tuple[OpRecord, ...]
+    storages: tuple[StorageRecord, ...]
+    events: tuple[SavedEvent, ...]
+    param_bytes: int
+    buffer_bytes: int
+    input_bytes: int
+    gradient_bytes: int
+    state_bytes: int
+    """Optimizer state created during the step."""
+    backward_start_op: int
+    num_levels: int
+    """Topological levels of the op graph (longest producer-to-consumer chain)."""
+    num_edges: int
+    min_offload_bytes: int
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def largest_op(self) -> OpRecord:
+        """The op with the largest working set (inputs + outputs)."""
+        return max(self.ops, key=lambda op: op.working_set_bytes)
+
+    def entries(self) -> list[tuple[int, int, int]]:
+        """Offloadable saved storages in first-save order, as ``(storage, nbytes, save_op)``.
+
+        Their positions are the ordinals the runtime gives the same storages, so a plan can
+        name tensors by them.
+        """
+        seen: dict[int, tuple[int, int, int]] = {}
+        for event in self.events:
+            if event.kind == "save" and event.offloadable and event.storage not in seen:
+                seen[event.storage] = (event.storage, event.nbytes, event.op)
+        return list(seen.values())
+
+    def first_use_op(self) -> dict[int, int]:
+        """For each saved storage, the op index of its first read in backward."""
+        uses: dict[int, int] = {}
+        for event in self.events:
+            if event.kind == "use":
+                uses.setdefault(event.storage, event.op)
+        return uses
+
+    def fingerprint(self) -> str:
+        """A short hash of the step's shape: op names, sizes and saved-tensor events."""
+        digest = hashlib.sha256()
+        digest.update(json.dumps([self.name, self.input_shapes, self.device]).encode())
+        for op in self.ops:
+            digest.update(f"{op.name}:{op.read_bytes}:{op.written_bytes};".encode())
+        for event in self.events:
+            digest.update(f"{event.kind}{event.nbytes}{int(event.offloadable)};".encode())
+        return digest.hexdigest()[:16]
+
+    def summary(self) -> dict[str, Any]:
+        """Headline numbers, JSON-ready."""
+        largest = self.largest_op
+        return {
+            "name": self.name,
+            "num_ops": len(self.ops),
+            "num_edges": self.num_edges,
+            "num_levels": self.num_levels,
+            "saved_events": len(self.events),
+            "param_bytes": self.param_bytes,
+            "largest_op": {
+                "name": largest.name,
+                "module": largest.module,
+                "bytes": largest.working_set_bytes,
+            },
+        }

@@ -1,0 +1,293 @@
+"""Replay a traced step on a device spec: memory over time, copies on two channels, step time.
+
+Pure: no torch.cuda, nothing allocated. Ops run one after another, each taking the longer of its
+FLOPs at the device's peak rate and its bytes at the memory bandwidth. Copies out (device to host,
+or to disk) and copies in run on one channel per direction, overlapping compute; an op that needs
+a tensor still on its way in waits for it. Device memory counts every storage between the start of
+the op that allocates it and the end of the op after which it is freed, rounded up by the
+allocator's block size, plus the device's workspace margin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+from lms.analysis.devices import DeviceSpec
+from lms.analysis.records import Trace
+from lms.plan import Plan
+from lms.runtime import policy
+
+__all__ = ["SimResult", "simulate", "runtime_plan", "Interval"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """A storage resident on the device from ``start_s`` to ``end_s``."""
+
+    storage: int
+    nbytes: int
+    start_s: float
+    end_s: float
+    kind: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+    """What the simulator predicts for one step."""
+
+    peak_bytes: int
+    """Device peak: rounded tensor bytes plus the workspace margin."""
+    peak_tensor_bytes: int
+    """Device peak of tensor bytes alone, unrounded (what `MemTracker` counts)."""
+    peak_op: int
+    """Index of the op running at the peak."""
+    host_peak_bytes: int
+    """Peak of offloaded bytes held in host memory (or on disk)."""
+    offloaded_bytes: int
+    offloaded_tensors: int
+    step_s: float
+    """Predicted step time with the plan."""
+    base_step_s: float
+    """Predicted step time without offload."""
+    wait_s: float
+    """Time ops waited for copies."""
+    timeline_s: tuple[float, ...]
+    """Times at which device memory changes."""
+    device_bytes: tuple[int, ...]
+    """Device bytes from each of those times on."""
+    host_bytes: tuple[int, ...]
+    """Offloaded bytes held on the host (or disk) from each of those times on."""
+    intervals: tuple[Interval, ...]
+
+    @property
+    def overhead(self) -> float:
+        """Predicted slowdown: step time over the no-offload step time, minus one."""
+        return self.step_s / self.base_step_s - 1.0 if self.base_step_s > 0 else 0.0
+
+    def fits(self, memory_bytes: int) -> bool:
+        """Whether the peak fits in ``memory_bytes``."""
+        return self.peak_bytes <= memory_bytes
+
+
+def _round(nbytes: int, block: int) -> int:
+    return -(-nbytes // block) * block if nbytes else 0
+
+
+def _op_seconds(trace: Trace, spec: DeviceSpec, half: bool) -> list[float]:
+    rate = spec.peak_flops_half if half else spec.peak_flops
+    bandwidth = spec.memory_bandwidth_gbps * 1e9
+    return [
+        spec.op_overhead_s + max(op.flops / rate, op.working_set_bytes / bandwidth)
+        for op in trace.ops
+    ]
+
+
+def runtime_plan(trace: Trace, budget_bytes: int, *, swapin_ahead: int = 2) -> Plan:
+    """The plan `lms.LMS(budget=...)` follows on its own from the second step on.
+
+    It keeps the newest saved tensors and offloads the oldest while the saved bytes would exceed
+    the budget less what was allocated before the first save and a reserve for the running op.
+    """
+    entries = trace.entries()
+    nbytes = [size for _, size, _ in entries]
+    chosen = policy.budget_offloads(nbytes, _allowance(trace, budget_bytes))
+    return Plan(
+        fingerprint=trace.fingerprint(),
+        offload=tuple(sorted(chosen)),
+        num_entries=len(entries),
+        swapin_ahead=swapin_ahead,
+        budget_bytes=budget_bytes,
+    )
+
+
+def _allowance(trace: Trace, budget_bytes: int) -> int:
+    """The runtime's allowance for saved bytes: see `lms.LMS`."""
+    first_save = min((e.op for e in trace.events if e.offloadable), default=0)
+    baseline = sum(
+        s.nbytes
+        for s in trace.storages
+        if s.alloc_op < first_save and (s.free_op is None or s.free_op >= first_save)
+    )
+    largest = max((size for _, size, _ in trace.entries()), default=0)
+    return budget_bytes - baseline - policy.reserve_bytes(largest)
+
+
+def simulate(
+    trace: Trace,
+    plan: Plan | None,
+    spec: DeviceSpec,
+    *,
+    half: bool = False,
+) -> SimResult:
+    """Predict device and host memory and the step time of ``trace`` under ``plan`` on ``spec``.
+
+    Args:
+        trace: from `lms.analysis.trace.trace_step`.
+        plan: which saved storages to offload; None for none.
+        spec: the device and its link.
+        half: price matmuls and convolutions at the fp16/bf16 rate (autocast runs).
+    """
+    seconds = _op_seconds(trace, spec, half)
+    base_step_s = sum(seconds)
+    entries = trace.entries()
+    offload = set(plan.offload) if plan is not None else set()
+    ahead = plan.swapin_ahead if plan is not None else 2
+    sync_out = plan is not None and plan.sync_mode in (1, 3)
+    sync_in = plan is not None and plan.sync_mode in (2, 3)
+    storage_of = {i: entries[i][0] for i in offload}
+    first_use = trace.first_use_op()
+    by_storage = {s.id: s for s in trace.storages}
+
+    # Prefetch triggers: the use of the offloaded entry `ahead` places earlier in use order.
+    used = sorted(
+        (first_use[storage_of[i]], i) for i in offload if storage_of[i] in first_use
+    )
+    first_backward_use = min(first_use.values(), default=trace.backward_start_op)
+    issue_op: dict[int, int] = {}
+    for rank, (use_op, ordinal) in enumerate(used):
+        if sync_in:
+            issue_op[ordinal] = use_op
+        elif rank >= ahead:
+            issue_op[ordinal] = used[rank - ahead][0]
+        else:
+            issue_op[ordinal] = first_backward_use
+    saves_at: dict[int, list[int]] = {}
+    issues_at: dict[int, list[int]] = {}
+    needs_at: dict[int, list[int]] = {}
+    for ordinal in offload:
+        saves_at.setdefault(entries[ordinal][2], []).append(ordinal)
+        if ordinal in issue_op:
+            issues_at.setdefault(issue_op[ordinal], []).append(ordinal)
+            needs_at.setdefault(first_use[storage_of[ordinal]], []).append(ordinal)
+
+    d2h_bw = spec.d2h_gbps * 1e9
+    h2d_bw = spec.h2d_gbps * 1e9
+    start = [0.0] * (len(trace.ops) + 1)
+    out_done: dict[int, float] = {}
+    out_start: dict[int, float] = {}
+    in_issue: dict[int, float] = {}
+    in_done: dict[int, float] = {}
+    # The runtime waits for copies out while they would hold the step over its budget.
+    allowance = (
+        _allowance(trace, plan.budget_bytes)
+        if plan is not None and plan.budget_bytes is not None
+        else None
+    )
+    kept_at: dict[int, int] = {}
+    for ordinal, (_, size, save_op) in enumerate(entries):
+        if ordinal not in offload:
+            kept_at[save_op] = kept_at.get(save_op, 0) + size
+    kept = 0
+    pending: list[tuple[float, int]] = []
+    d2h_free = h2d_free = 0.0
+    now = wait = 0.0
+    for index in range(len(trace.ops) + 1):
+        if index < trace.backward_start_op:
+            kept += kept_at.get(index, 0)
+        for ordinal in saves_at.get(index, ()):
+            out_start[ordinal] = max(now, d2h_free)
+            d2h_free = out_done[ordinal] = out_start[ordinal] + entries[ordinal][1] / d2h_bw
+            pending.append((d2h_free, entries[ordinal][1]))
+            if sync_out:
+                wait += d2h_free - now
+                now = d2h_free
+            pending = [(done, size) for done, size in pending if done > now]
+            while allowance is not None and pending and (
+                kept + sum(size for _, size in pending) > allowance
+            ):
+                done, _ = pending.pop(0)
+                wait += max(done - now, 0.0)
+                now = max(now, done)
+        for ordinal in issues_at.get(index, ()):
+            in_issue[ordinal] = now
+            begin = max(now, h2d_free, out_done.get(ordinal, 0.0))
+            h2d_free = in_done[ordinal] = begin + entries[ordinal][1] / h2d_bw
+        for ordinal in needs_at.get(index, ()):
+            if in_done[ordinal] > now:
+                wait += in_done[ordinal] - now
+                now = in_done[ordinal]
+        start[index] = now
+        if index < len(trace.ops):
+            now += seconds[index]
+    end_s = now
+
+    def op_end(index: int | None) -> float:
+        if index is None or index + 1 >= len(start):
+            return end_s
+        return start[index + 1]
+
+    intervals: list[Interval] = []
+    host_spans: list[tuple[float, float, int]] = []
+    offloaded_storages = {storage_of[i]: i for i in offload}
+    for record in trace.storages:
+        begin = 0.0 if record.alloc_op < 0 else start[record.alloc_op]
+        finish = op_end(record.free_op)
+        ordinal = offloaded_storages.get(record.id)
+        if ordinal is None:
+            intervals.append(Interval(record.id, record.nbytes, begin, finish, record.kind))
+            continue
+        released = max(out_done[ordinal], op_end(record.last_forward_op))
+        intervals.append(Interval(record.id, record.nbytes, begin, released, record.kind))
+        if ordinal in in_issue:
+            intervals.append(
+                Interval(record.id, record.nbytes, in_issue[ordinal], finish, "reloaded")
+            )
+        host_spans.append((out_start[ordinal], finish, record.nbytes))
+
+    times, device, host, peak_tensor, peak_at = _sweep(intervals, host_spans, spec)
+    peak_rounded = max(device, default=0)
+    peak_time = times[device.index(peak_rounded)] if device else 0.0
+    peak_op = max((i for i, s in enumerate(start[:-1]) if s <= peak_time), default=0)
+    del peak_at
+    return SimResult(
+        peak_bytes=peak_rounded + spec.workspace_bytes,
+        peak_tensor_bytes=peak_tensor,
+        peak_op=peak_op,
+        host_peak_bytes=max(host, default=0),
+        offloaded_bytes=sum(entries[i][1] for i in offload),
+        offloaded_tensors=len(offload),
+        step_s=end_s,
+        base_step_s=base_step_s,
+        wait_s=wait,
+        timeline_s=tuple(times),
+        device_bytes=tuple(device),
+        host_bytes=tuple(host),
+        intervals=tuple(intervals),
+    )
+
+
+def _sweep(
+    intervals: Iterable[Interval],
+    host_spans: Iterable[tuple[float, float, int]],
+    spec: DeviceSpec,
+) -> tuple[list[float], list[int], list[int], int, float]:
+    """Piecewise-constant device and host bytes; frees before allocations at equal times."""
+    changes: list[tuple[float, int, int, int, int]] = []  # time, order, rounded, raw, host
+    for span in intervals:
+        rounded = _round(span.nbytes, spec.alloc_round_bytes)
+        changes.append((span.start_s, 1, rounded, span.nbytes, 0))
+        changes.append((span.end_s, 0, -rounded, -span.nbytes, 0))
+    for begin, finish, nbytes in host_spans:
+        changes.append((begin, 1, 0, 0, nbytes))
+        changes.append((finish, 0, 0, 0, -nbytes))
+    changes.sort(key=lambda c: (c[0], c[1]))
+    times: list[float] = []
+    device: list[int] = []
+    host: list[int] = []
+    rounded_total = raw_total = host_total = 0
+    peak_raw, peak_at = 0, 0.0
+    for time_s, _, rounded, raw, held in changes:
+        rounded_total += rounded
+        raw_total += raw
+        host_total += held
+        if raw_total > peak_raw:
+            peak_raw, peak_at = raw_total, time_s
+        if times and times[-1] == time_s:
+            device[-1], host[-1] = rounded_total, host_total
+            continue
+        times.append(time_s)
+        device.append(rounded_total)
+        host.append(host_total)
+    # Peaks inside a group of equal times that frees before it allocates are seen above.
+    return times, device, host, peak_raw, peak_at

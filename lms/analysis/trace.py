@@ -1,0 +1,320 @@
+"""Trace one training step under fake tensors: every op, storage and saved-tensor event.
+
+No real memory is used: parameters, inputs and every intermediate are `FakeTensor`s, so a step that
+needs 90 GiB on a GPU traces in seconds on a small CPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lms.analysis.records import OpRecord, SavedEvent, StorageRecord, Trace
+from lms.config import AUTO_MIN_OFFLOAD_BYTES
+
+__all__ = ["trace_step", "default_step", "StepFn"]
+
+StepFn = Callable[[torch.nn.Module, Sequence[torch.Tensor]], Any]
+_SKIP_OPS = {"aten.detach.default", "aten.alias.default", "prim.device.default"}
+
+
+def default_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Forward, a mean over the output as the loss, backward. Returns the loss."""
+    out = model(*batch)
+    if isinstance(out, Mapping):
+        out = out["out"] if "out" in out else next(iter(out.values()))
+    if hasattr(out, "logits"):
+        out = out.logits
+    loss = out.float().mean()
+    loss.backward()
+    return loss
+
+
+class _Recorder(TorchDispatchMode):
+    """Records every aten op, storage allocation and free, and saved-tensor event."""
+
+    def __init__(self, tracker: ModTracker, min_offload_bytes: int):
+        super().__init__()
+        self.tracker = tracker
+        self.min_offload_bytes = min_offload_bytes
+        self.ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.refs: dict[int, weakref.ref[Any]] = {}
+        self.nbytes: list[int] = []
+        self.kind: list[str] = []
+        self.alloc_op: list[int] = []
+        self.free_op: list[int | None] = []
+        self.last_forward: list[int] = []
+        self.writer: dict[int, int] = {}
+        self.ops: list[OpRecord] = []
+        self.op_level: list[int] = []
+        self.edges = 0
+        self.events: list[SavedEvent] = []
+        self.level = 0
+        self.fixed: set[int] = set()
+        self.seen_backward = False
+
+    # -- storages ----------------------------------------------------------------------------
+    def storage_id(self, tensor: torch.Tensor, kind: str = "activation") -> tuple[int, bool]:
+        storage = tensor.untyped_storage()
+        known = self.ids.get(storage)
+        if known is not None:
+            return known, False
+        sid = len(self.nbytes)
+        self.ids[storage] = sid
+        self.refs[sid] = weakref.ref(storage, self._freed(sid))
+        self.nbytes.append(storage.nbytes())
+        self.kind.append(kind)
+        self.alloc_op.append(len(self.ops) if kind == "activation" else -1)
+        self.free_op.append(None)
+        self.last_forward.append(-1)
+        return sid, True
+
+    def _freed(self, sid: int) -> Callable[[Any], None]:
+        def callback(_: Any) -> None:
+            self.free_op[sid] = max(len(self.ops) - 1, self.alloc_op[sid])
+            self.refs.pop(sid, None)
+
+        return callback
+
+    def register(self, tensors: Iterator[torch.Tensor], kind: str) -> int:
+        total = 0
+        for tensor in tensors:
+            sid, new = self.storage_id(tensor, kind)
+            if new:
+                total += self.nbytes[sid]
+            if kind in ("param", "buffer"):
+                self.fixed.add(sid)
+        return total
+
+    # -- ops ---------------------------------------------------------------------------------
+    def phase(self) -> str:
+        if torch._C._current_graph_task_id() != -1:
+            self.seen_backward = True
+            return "backward"
+        return "optimizer" if self.seen_backward else "forward"
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func)
+        if name in _SKIP_OPS:
+            return out
+        index = len(self.ops)
+        phase = self.phase()
+        inputs: dict[int, int] = {}
+        for arg in tree_flatten((args, kwargs))[0]:
+            if isinstance(arg, torch.Tensor):
+                sid, _ = self.storage_id(arg)
+                inputs[sid] = self.nbytes[sid]
+        outputs: dict[int, int] = {}
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                sid, new = self.storage_id(value)
+                if new or sid in inputs and _writes_inplace(func):
+                    outputs[sid] = self.nbytes[sid]
+        level = 1
+        for sid in inputs:
+            producer = self.writer.get(sid)
+            if producer is not None:
+                self.edges += 1
+                level = max(level, self.op_level[producer] + 1)
+        for sid in outputs:
+            self.writer[sid] = index
+        if phase == "forward":
+            for sid in list(inputs) + list(outputs):
+                self.last_forward[sid] = index
+        flops = 0
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            try:
+                flops = int(counter(*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not take this overload's arguments
+                flops = 0
+        module = max(self.tracker.parents, key=len) if self.tracker.parents else "Global"
+        self.ops.append(
+            OpRecord(
+                index=index,
+                name=name,
+                module=module,
+                phase=phase,  # type: ignore[arg-type]
+                flops=flops,
+                read_bytes=sum(inputs.values()),
+                written_bytes=sum(outputs.values()),
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+            )
+        )
+        self.op_level.append(level)
+        return out
+
+    # -- saved tensors -----------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.level += 1
+        sid, _ = self.storage_id(tensor)
+        offloadable = not (
+            sid in self.fixed
+            or (tensor.is_leaf and tensor.requires_grad)
+            or self.nbytes[sid] < max(self.min_offload_bytes, 1)
+        )
+        self.events.append(
+            SavedEvent(self.level, len(self.ops), "save", sid, self.nbytes[sid], offloadable)
+        )
+        return tensor
+
+    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.level += 1
+        sid, _ = self.storage_id(tensor)
+        saved = next(e for e in reversed(self.events) if e.storage == sid and e.kind == "save")
+        self.events.append(
+            SavedEvent(self.level, len(self.ops), "use", sid, self.nbytes[sid], saved.offloadable)
+        )
+        return tensor
+
+
+def _writes_inplace(func: Any) -> bool:
+    schema = func._schema
+    return any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)
+
+
+@contextlib.contextmanager
+def _fake_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Swap the model's parameters and buffers for fake ones on ``device``; restore on exit."""
+    saved: list[tuple[dict[str, Any], str, Any]] = []
+    try:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, value in table.items():
+                    if value is None:
+                        continue
+                    fake = torch.empty_strided(
+                        value.shape, value.stride(), dtype=value.dtype, device=device
+                    )
+                    if isinstance(value, torch.nn.Parameter):
+                        fake = torch.nn.Parameter(fake, requires_grad=value.requires_grad)
+                    saved.append((table, name, value))
+                    table[name] = fake
+        yield
+    finally:
+        for table, name, value in reversed(saved):
+            table[name] = value
+
+
+def trace_step(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    batch: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]],
+    step_fn: StepFn | None = None,
+    *,
+    device: str | torch.device | None = None,
+    autocast: torch.dtype | None = None,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+    min_offload_bytes: int = AUTO_MIN_OFFLOAD_BYTES,
+    name: str = "model",
+) -> Trace:
+    """Run one training step under `FakeTensorMode` and record it.
+
+    Args:
+        model: a module (its real parameters are swapped for fake ones while tracing and put
+            back after), or a function that builds one (called under fake tensors on ``device``).
+        batch: the step's input tensors, or a function that makes them (under fake tensors).
+        step_fn: ``step_fn(model, batch)`` runs forward, loss and backward; default:
+            `default_step`.
+        device: the device to pretend; default CUDA when there is one, else the CPU.
+        autocast: run the step under autocast to this dtype (``torch.bfloat16``, ``torch.float16``).
+        optimizer: builds an optimizer over the parameters; its ``step()`` then ends the step.
+        min_offload_bytes: saved tensors below this stay on the device (as in `lms.LMS`).
+        name: the name reports give the model.
+    """
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    step = step_fn or default_step
+    tracker = ModTracker()
+    recorder = _Recorder(tracker, min_offload_bytes)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    with fake_mode, torch.device(target):
+        built = model() if callable(model) and not isinstance(model, torch.nn.Module) else model
+        assert isinstance(built, torch.nn.Module)
+        with _fake_state(built, target) if isinstance(model, torch.nn.Module) else _noop():
+            tensors = batch() if callable(batch) else batch
+            inputs = [
+                torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
+                for t in tensors
+            ]
+            opt = optimizer(built.parameters()) if optimizer is not None else None
+            input_shapes = tuple(tuple(t.shape) for t in inputs)
+            param_bytes = recorder.register(iter(built.parameters()), "param")
+            buffer_bytes = recorder.register(iter(built.buffers()), "buffer")
+            input_bytes = recorder.register(iter(inputs), "input")
+            amp = (
+                torch.autocast(target.type, dtype=autocast)
+                if autocast is not None
+                else _noop()
+            )
+            hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
+            with tracker, recorder, hooks:
+                with amp:
+                    result = step(built, inputs)
+                if opt is not None:
+                    opt.step()
+            del result
+            grads = [p.grad for p in built.parameters() if p.grad is not None]
+            gradient_ids = {recorder.storage_id(g)[0] for g in grads}
+            state_ids: set[int] = set()
+            if opt is not None:
+                for state in opt.state.values():
+                    for value in state.values():
+                        if isinstance(value, torch.Tensor):
+                            state_ids.add(recorder.storage_id(value)[0])
+            del opt, grads, inputs
+            gc.collect()
+    backward_start = next(
+        (op.index for op in recorder.ops if op.phase == "backward"), len(recorder.ops)
+    )
+    storages = []
+    for sid, nbytes in enumerate(recorder.nbytes):
+        kind = recorder.kind[sid]
+        if sid in gradient_ids:
+            kind = "gradient"
+        elif sid in state_ids:
+            kind = "state"
+        storages.append(
+            StorageRecord(
+                id=sid,
+                nbytes=nbytes,
+                kind=kind,  # type: ignore[arg-type]
+                alloc_op=recorder.alloc_op[sid],
+                free_op=recorder.free_op[sid],
+                last_forward_op=recorder.last_forward[sid],
+            )
+        )
+    return Trace(
+        name=name,
+        input_shapes=input_shapes,
+        device=str(target),
+        ops=tuple(recorder.ops),
+        storages=tuple(storages),
+        events=tuple(recorder.events),
+        param_bytes=param_bytes,
+        buffer_bytes=buffer_bytes,
+        input_bytes=input_bytes,
+        gradient_bytes=sum(storages[s].nbytes for s in gradient_ids),
+        state_bytes=sum(storages[s].nbytes for s in state_ids),
+        backward_start_op=backward_start,
+        num_levels=max(recorder.op_level, default=0),
+        num_edges=recorder.edges,
+        min_offload_bytes=min_offload_bytes,
+    )
+
+
+@contextlib.contextmanager
+def _noop() -> Iterator[None]:
+    yield

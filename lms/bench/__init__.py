@@ -1,0 +1,1 @@
+"""Measurement helpers shared by the benchmarks and the CLI."""

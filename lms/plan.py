@@ -1,0 +1,64 @@
+"""`Plan`: what to offload and how, for one traced step; saved to and loaded from JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+__all__ = ["Plan"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A per-tensor offload plan. Tensors are named by ordinal: the position of their storage
+    among the step's offloadable saved storages, in the order they were first saved."""
+
+    fingerprint: str
+    """`Trace.fingerprint()` of the step the plan was made for."""
+    offload: tuple[int, ...]
+    """Ordinals to move out of device memory."""
+    num_entries: int
+    """How many offloadable storages the step saves."""
+    swapin_ahead: int = 2
+    """Offloaded tensors brought back ahead of backward's use."""
+    sync_mode: int = 0
+    """TFLMS sync mode (0-3)."""
+    budget_bytes: int | None = None
+    """The device budget the plan was made for."""
+    predicted_peak_bytes: int = 0
+    """The simulator's device peak with the plan."""
+    predicted_overhead: float = 0.0
+    """The simulator's step-time overhead over no offload."""
+    source: str = "runtime-policy"
+    """What made it: "runtime-policy", "tflms", "planner"."""
+
+    def __post_init__(self) -> None:
+        bad = [i for i in self.offload if not 0 <= i < self.num_entries]
+        if bad:
+            raise ValueError(
+                f"lms: Plan.offload names ordinals {bad[:5]} outside 0..{self.num_entries - 1}"
+            )
+
+    def to_json(self) -> str:
+        """The plan as JSON text."""
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """A plan from `to_json` text."""
+        data: dict[str, Any] = json.loads(text)
+        data["offload"] = tuple(data["offload"])
+        return cls(**data)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan to ``path``."""
+        with open(path, "w") as handle:
+            handle.write(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Plan:
+        """Read a plan written by `save`."""
+        with open(path) as handle:
+            return cls.from_json(handle.read())

@@ -1,0 +1,1 @@
+"""Presentation: `[LMS]` lines, memory plots, memory-viewer snapshots."""

@@ -1,0 +1,63 @@
+"""Simulated memory graphs: device memory over the step with and without LMS, and host memory."""
+
+from __future__ import annotations
+
+import os
+
+from lms.analysis.simulate import SimResult
+
+__all__ = ["plot_memory"]
+
+GiB = 1024**3
+
+
+def plot_memory(
+    path: str | os.PathLike[str],
+    plain: SimResult,
+    planned: SimResult | None,
+    *,
+    budget_bytes: int,
+    title: str,
+) -> None:
+    """Write a PNG: device memory against the budget (top), offloaded bytes on host (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(10, 6.5), sharex=False, gridspec_kw={"height_ratios": [3, 1.4]}
+    )
+    top.step(
+        [t * 1e3 for t in plain.timeline_s],
+        [b / GiB for b in plain.device_bytes],
+        where="post",
+        label=f"without LMS (peak {plain.peak_bytes / GiB:.1f} GiB)",
+        color="tab:red",
+    )
+    if planned is not None:
+        top.step(
+            [t * 1e3 for t in planned.timeline_s],
+            [b / GiB for b in planned.device_bytes],
+            where="post",
+            label=f"with LMS (peak {planned.peak_bytes / GiB:.1f} GiB)",
+            color="tab:blue",
+        )
+        bottom.step(
+            [t * 1e3 for t in planned.timeline_s],
+            [b / GiB for b in planned.host_bytes],
+            where="post",
+            color="tab:green",
+            label="offloaded data held on host / disk",
+        )
+    top.axhline(budget_bytes / GiB, color="black", linestyle="--", label="budget")
+    top.set_ylabel("device memory (GiB, tensors)")
+    top.set_title(title)
+    top.legend(loc="upper right")
+    bottom.set_xlabel("simulated time in the step (ms)")
+    bottom.set_ylabel("host (GiB)")
+    if planned is not None:
+        bottom.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,57 @@
+"""`[LMS]` information lines in the spirit of TFLMS v2's, from a trace and simulations."""
+
+from __future__ import annotations
+
+from lms._units import format_bytes
+from lms.analysis.devices import DeviceSpec
+from lms.analysis.records import Trace
+from lms.analysis.simulate import SimResult
+from lms.plan import Plan
+
+__all__ = ["info_lines"]
+
+
+def info_lines(
+    trace: Trace,
+    spec: DeviceSpec,
+    plain: SimResult,
+    plan: Plan | None,
+    planned: SimResult | None,
+    *,
+    budget_bytes: int,
+) -> list[str]:
+    """The lines, without the logger's prefix."""
+    largest = trace.largest_op
+    lines = [
+        f"[LMS] Analyzing {trace.name}, inputs {list(map(list, trace.input_shapes))}, "
+        f"traced on {trace.device}",
+        f"[LMS] The step has {len(trace.ops)} operations, {trace.num_edges} edges and "
+        f"{trace.num_levels} levels; {sum(e.kind == 'save' for e in trace.events)} saved tensors",
+        f"[LMS] The model has {format_bytes(trace.param_bytes)} of learning parameters",
+        f"[LMS] The largest operation is {largest.name} at {largest.module} consuming "
+        f"{format_bytes(largest.working_set_bytes)}",
+        f"[LMS] Peak device memory without LMS: {format_bytes(plain.peak_bytes)} "
+        f"({format_bytes(plain.peak_tensor_bytes)} of tensors + "
+        f"{format_bytes(spec.workspace_bytes)} workspace margin) on {spec.name} with "
+        f"{format_bytes(budget_bytes)} for the step",
+    ]
+    if plain.peak_bytes <= budget_bytes:
+        lines.append("[LMS] LMS is not needed: the step fits without offloading")
+        return lines
+    lines.append("[LMS] LMS is needed")
+    if plan is None or planned is None:
+        return lines
+    fits = "fits" if planned.peak_bytes <= budget_bytes else "does NOT fit"
+    lines += [
+        f"[LMS] Plan ({plan.source}): offload {planned.offloaded_tensors} of "
+        f"{plan.num_entries} saved storages ({format_bytes(planned.offloaded_bytes)} out and "
+        f"back), swapin_ahead {plan.swapin_ahead}, sync_mode {plan.sync_mode}",
+        f"[LMS] Predicted peak with LMS: {format_bytes(planned.peak_bytes)}, {fits} in "
+        f"{format_bytes(budget_bytes)}; host memory for offloaded data: "
+        f"{format_bytes(planned.host_peak_bytes)}",
+        f"[LMS] Predicted step time {planned.step_s * 1e3:.1f} ms vs "
+        f"{planned.base_step_s * 1e3:.1f} ms without offload "
+        f"({planned.overhead:+.1%}, {planned.wait_s * 1e3:.1f} ms waiting for copies) "
+        f"over {spec.link}",
+    ]
+    return lines

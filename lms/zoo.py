@@ -1,0 +1,142 @@
+"""Real models with random weights and synthetic batches, for analysis, training and benchmarks.
+
+Nothing is downloaded: torchvision and MONAI build the architectures; weights are initialised
+randomly (under fake tensors when tracing, so building costs no memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["ZooModel", "ZOO", "zoo_model", "TinyLM"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooModel:
+    """A model of the zoo: how to build it, make a batch, and count the data it eats."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]
+    make_batch: Callable[[int, int], Sequence[torch.Tensor]]
+    """``make_batch(size, batch_size)``: the input tensors."""
+    unit: str
+    """What the data rate counts: "pixels", "voxels" or "tokens"."""
+    elements: Callable[[int], int]
+    """Elements (pixels, voxels, tokens) of one sample at ``size``."""
+    default_size: int
+    step_fn: Callable[[torch.nn.Module, Sequence[torch.Tensor]], torch.Tensor] | None = None
+
+
+def _resnet50() -> torch.nn.Module:
+    from torchvision.models import resnet50
+
+    return resnet50(weights=None)
+
+
+def _googlenet() -> torch.nn.Module:
+    from torchvision.models import googlenet
+
+    return googlenet(weights=None, aux_logits=False, init_weights=False)
+
+
+def _deeplabv3() -> torch.nn.Module:
+    from torchvision.models.segmentation import deeplabv3_resnet50
+
+    return deeplabv3_resnet50(weights=None, weights_backbone=None, num_classes=21, aux_loss=False)
+
+
+def _unet3d() -> torch.nn.Module:
+    from monai.networks.nets import BasicUNet
+
+    return BasicUNet(spatial_dims=3, in_channels=1, out_channels=2)
+
+
+class TinyLM(torch.nn.Module):
+    """A decoder-only transformer language model (pre-norm, causal attention)."""
+
+    def __init__(self, vocab: int = 32000, dim: int = 1024, layers: int = 12, heads: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(
+                dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True,
+                activation="gelu",
+            )
+            for _ in range(layers)
+        )
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        length = tokens.shape[1]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(length, device=tokens.device)
+        hidden = self.embed(tokens)
+        for block in self.blocks:
+            hidden = block(hidden, src_mask=mask, is_causal=True)
+        return self.head(self.norm(hidden))
+
+
+def _lm_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    tokens, targets = batch
+    logits = model(tokens)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    loss.backward()
+    return loss
+
+
+def _classify_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    images, labels = batch
+    out = model(images)
+    if isinstance(out, dict):
+        out = out["out"]
+    loss = torch.nn.functional.cross_entropy(out.float(), labels)
+    loss.backward()
+    return loss
+
+
+def _images(channels: int, classes: int) -> Callable[[int, int], Sequence[torch.Tensor]]:
+    def make(size: int, batch: int) -> Sequence[torch.Tensor]:
+        return [torch.randn(batch, channels, size, size), torch.randint(0, classes, (batch,))]
+
+    return make
+
+
+def _segmentation(size: int, batch: int) -> Sequence[torch.Tensor]:
+    return [torch.randn(batch, 3, size, size), torch.randint(0, 21, (batch, size, size))]
+
+
+def _volumes(size: int, batch: int) -> Sequence[torch.Tensor]:
+    return [torch.randn(batch, 1, size, size, size), torch.randint(0, 2, (batch, size, size, size))]
+
+
+def _tokens(size: int, batch: int) -> Sequence[torch.Tensor]:
+    return [torch.randint(0, 32000, (batch, size)), torch.randint(0, 32000, (batch, size))]
+
+
+ZOO: dict[str, ZooModel] = {
+    model.name: model
+    for model in (
+        ZooModel("resnet50", _resnet50, _images(3, 1000), "pixels", lambda s: s * s, 224,
+                 _classify_step),
+        ZooModel("googlenet", _googlenet, _images(3, 1000), "pixels", lambda s: s * s, 224,
+                 _classify_step),
+        ZooModel("deeplabv3", _deeplabv3, _segmentation, "pixels", lambda s: s * s, 512,
+                 _classify_step),
+        ZooModel("unet3d", _unet3d, _volumes, "voxels", lambda s: s**3, 96, _classify_step),
+        ZooModel("tinylm", TinyLM, _tokens, "tokens", lambda s: s, 2048, _lm_step),
+    )
+}
+
+
+def zoo_model(name: str) -> ZooModel:
+    """Look a model up by name.
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones.
+    """
+    if name not in ZOO:
+        raise ValueError(f"lms: model={name!r} is not in the zoo; known: {', '.join(ZOO)}")
+    return ZOO[name]

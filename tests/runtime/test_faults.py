@@ -1,0 +1,209 @@
+"""Bad input fails before training; faults lose nothing and leave nothing behind."""
+
+import errno
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import lms
+from lms.runtime import disk
+from tests.conftest import assert_bitwise, run_step, spill_files
+
+ALL = dict(swapout_threshold=1, min_offload_bytes=0)
+
+
+def model_and_input():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh())
+    return model, (torch.randn(64, 128),)
+
+
+def hooks_are_gone():
+    """Nothing of the runtime is left registered with torch."""
+    from torch.nn.modules import module
+
+    probe = torch.randn(8, requires_grad=True)
+    out = probe.exp()  # saved under whatever hooks are still active
+    node = out.grad_fn
+    assert not module._global_forward_pre_hooks
+    return type(node._saved_result) is torch.Tensor
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("budget", "ten"),
+        ("budget", -5),
+        ("tier", "gpu"),
+        ("swapout_threshold", 0),
+        ("swapin_ahead", 0),
+        ("swapin_groupby", -3),
+        ("sync_mode", 4),
+        ("min_offload_bytes", -2),
+        ("host_budget", "1 parsec"),
+    ],
+)
+def test_invalid_settings_name_field_and_value(field, value):
+    with pytest.raises(ValueError) as info:
+        lms.LMS(**{field: value})
+    assert field in str(info.value)
+    assert repr(value) in str(info.value)
+
+
+def test_unwritable_spill_dir_fails_before_training(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("x")
+    with pytest.raises(lms.SpillError, match="not a folder"):
+        lms.LMS(tier="disk", spill_dir=str(not_a_folder))
+    # /proc takes no new folders, even from root
+    with pytest.raises(lms.SpillError, match="not writable"):
+        lms.LMS(tier="disk", spill_dir="/proc")
+
+
+def test_disk_full_before_write_raises_and_cleans(spill_dir, monkeypatch):
+    model, inputs = model_and_input()
+    offload = lms.LMS(tier="disk", spill_dir=spill_dir, **ALL)
+    usage = shutil.disk_usage(spill_dir)
+    monkeypatch.setattr(
+        disk.shutil, "disk_usage", lambda path: usage._replace(free=1024 * 1024)
+    )
+    with pytest.raises(lms.SpillError, match="free, too little") as info:
+        run_step(model, inputs, offload)
+    assert "spill_dir" in str(info.value)
+    assert spill_files(spill_dir) == []
+    assert hooks_are_gone()
+
+
+def test_disk_full_during_write_loses_nothing(spill_dir, monkeypatch):
+    """The write fails on the I/O thread: the data stays resident and the step says so."""
+    model, inputs = model_and_input()
+    ref = run_step(model, inputs)
+    real_write = disk.SpillStore._write
+    calls = []
+
+    def failing_write(self, path, data):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, path, data)
+
+    def enospc(self, path, data):
+        try:
+            failing_write(self, path, data)
+        except OSError as exc:
+            raise lms.SpillError(f"lms: the disk filled up: {exc}") from exc
+
+    monkeypatch.setattr(disk.SpillStore, "_write", enospc)
+    offload = lms.LMS(tier="disk", spill_dir=spill_dir, sync_mode=1, **ALL)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    with pytest.raises(lms.SpillError, match="filled up"), offload:
+        model(*inputs).float().square().mean()
+    assert spill_files(spill_dir) == []
+    assert hooks_are_gone()
+    # the failed step is not taken as the record, and the next step is exact
+    monkeypatch.setattr(disk.SpillStore, "_write", real_write)
+    assert_bitwise(ref, run_step(model, inputs, offload))
+    assert offload._record is None or len(offload._record.nbytes) == 4
+
+
+def test_real_write_error_is_typed(spill_dir, monkeypatch):
+    store = disk.SpillStore(spill_dir)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("builtins.open", no_space)
+    future = store.write(0, torch.zeros(1024, dtype=torch.uint8))
+    with pytest.raises(lms.SpillError, match="filled up"):
+        future.result()
+    monkeypatch.undo()
+    store.close()
+    assert spill_files(spill_dir) == []
+
+
+def test_host_memory_running_out(spill_dir):
+    model, inputs = model_and_input()
+    offload = lms.LMS(tier="host", host_budget="64KiB", **ALL)
+    with pytest.raises(lms.HostMemoryError, match="host_budget") as info:
+        run_step(model, inputs, offload)
+    assert "KiB" in str(info.value)
+    assert hooks_are_gone()
+    assert offload._offloader.host_bytes == 0
+
+
+def test_host_overflow_goes_to_disk_with_auto_tier(spill_dir):
+    model, inputs = model_and_input()
+    ref = run_step(model, inputs)
+    offload = lms.LMS(tier="host", host_budget="64KiB", spill_dir=spill_dir, **ALL)
+    offload._offloader.tier = "auto-host"  # a CUDA-like auto tier on the CPU: host, then disk
+    got = run_step(model, inputs, offload)
+    assert_bitwise(ref, got)
+    assert 0 < offload.stats.spilled_bytes < offload.stats.offloaded_bytes
+
+
+def test_exception_mid_step_discards_everything(spill_dir):
+    model, inputs = model_and_input()
+    offload = lms.LMS(tier="disk", spill_dir=spill_dir, **ALL)
+    with pytest.raises(ZeroDivisionError), offload:
+        loss = model(*inputs).square().mean()
+        assert offload.stats.offloaded_tensors > 0
+        assert spill_files(spill_dir)
+        1 / 0
+    assert spill_files(spill_dir) == []
+    assert hooks_are_gone()
+    with pytest.raises(lms.StepAbortedError, match="run forward again"):
+        loss.backward()
+
+
+def test_files_removed_after_successful_step(spill_dir):
+    model, inputs = model_and_input()
+    offload = lms.LMS(tier="disk", spill_dir=spill_dir, **ALL)
+    run_step(model, inputs, offload)
+    assert offload.stats.spilled_bytes > 0
+    assert spill_files(spill_dir) == []
+    assert hooks_are_gone()
+
+
+def test_ctrl_c_leaves_no_spill_files(tmp_path):
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import os, signal, sys, torch, lms
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(64)])
+        x = torch.randn(512, 512)
+        offload = lms.LMS(tier="disk", spill_dir={str(spill)!r}, swapout_threshold=1)
+        calls = 0
+
+        def interrupt(module, args):
+            global calls
+            calls += 1
+            if calls == 40:
+                print("files", len(os.listdir({str(spill)!r})), flush=True)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        for layer in model:
+            layer.register_forward_pre_hook(interrupt)
+        try:
+            with offload:
+                model(x).sum().backward()
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert "interrupted" in result.stdout, result.stderr
+    assert "files 1" in result.stdout  # a spill folder existed when the interrupt came
+    assert list(spill.iterdir()) == []
+    assert signal.SIGINT  # the test sent a real SIGINT, handled as KeyboardInterrupt

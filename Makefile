@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/lms demo
+	$(VENV)/bin/lms demo --out out/demo
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

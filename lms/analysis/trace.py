@@ -63,6 +63,27 @@ class _Recorder(TorchDispatchMode):
         self.level = 0
         self.fixed: set[int] = set()
         self.seen_backward = False
+        self.names: dict[int, str] = {}
+        self.stack: list[str] = []
+
+    # -- modules -----------------------------------------------------------------------------
+    def name_modules(self, model: torch.nn.Module) -> None:
+        root = type(model).__name__
+        for name, module in model.named_modules():
+            self.names[id(module)] = f"{root}.{name}" if name else root
+
+    def enter_module(self, module: torch.nn.Module, args: Any) -> None:
+        self.stack.append(self.names.get(id(module), type(module).__name__))
+
+    def exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.stack:
+            self.stack.pop()
+
+    def module(self, phase: str) -> str:
+        if phase == "forward":
+            return self.stack[-1] if self.stack else "Global"
+        parents = self.tracker.parents
+        return max(parents, key=len) if parents else "Global"
 
     # -- storages ----------------------------------------------------------------------------
     def storage_id(self, tensor: torch.Tensor, kind: str = "activation") -> tuple[int, bool]:
@@ -141,7 +162,7 @@ class _Recorder(TorchDispatchMode):
                 flops = int(counter(*args, **kwargs, out_val=out))
             except Exception:  # a formula that does not take this overload's arguments
                 flops = 0
-        module = max(self.tracker.parents, key=len) if self.tracker.parents else "Global"
+        module = self.module(phase)
         self.ops.append(
             OpRecord(
                 index=index,
@@ -260,11 +281,20 @@ def trace_step(
                 else _noop()
             )
             hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
-            with tracker, recorder, hooks:
-                with amp:
-                    result = step(built, inputs)
-                if opt is not None:
-                    opt.step()
+            recorder.name_modules(built)
+            pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.enter_module)
+            post = torch.nn.modules.module.register_module_forward_hook(
+                recorder.exit_module, always_call=True
+            )
+            try:
+                with tracker, recorder, hooks:
+                    with amp:
+                        result = step(built, inputs)
+                    if opt is not None:
+                        opt.step()
+            finally:
+                pre.remove()
+                post.remove()
             del result
             grads = [p.grad for p in built.parameters() if p.grad is not None]
             gradient_ids = {recorder.storage_id(g)[0] for g in grads}

@@ -360,6 +360,9 @@ class LMS:
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Handle):
+            with self._lock:
+                if self._step is not None:
+                    self._step.level += 1
             return packed
         entry = packed.entry
         with self._lock:

@@ -1,0 +1,103 @@
+"""The ``lms`` command: analyze a zoo model, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from lms._units import parse_bytes
+
+__all__ = ["main"]
+
+log = logging.getLogger("lms.cli")
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="zoo model: resnet50, googlenet, ...")
+    parser.add_argument("--image-size", type=int, required=True, help="edge in pixels/voxels")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--amp", action="store_true", help="bf16 autocast")
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from lms.analysis import analyze
+    from lms.zoo import zoo_model
+
+    entry = zoo_model(args.model)
+    report = analyze(
+        entry.build,
+        lambda: entry.make_batch(args.image_size, args.batch_size),
+        entry.step_fn,
+        gpu_memory=args.gpu_memory,
+        device_spec=args.device_spec,
+        autocast=torch.bfloat16 if args.amp else None,
+        name=f"{args.model} {args.image_size}px batch {args.batch_size}",
+    )
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report.as_dict(), out, indent=2)
+        log.info("[LMS] wrote %s", args.json)
+    if args.plot:
+        report.plot(args.plot)
+        log.info("[LMS] wrote %s", args.plot)
+    if args.snapshot:
+        report.save_snapshot(args.snapshot)
+        log.info("[LMS] wrote %s (open it at pytorch.org/memory_viz)", args.snapshot)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from lms.demo import run_demo
+
+    run_demo(out_dir=args.out, steps=args.steps)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``lms`` command."""
+    parser = argparse.ArgumentParser(prog="lms", description="Large Model Support for PyTorch")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    analyze = commands.add_parser("analyze", help="trace a step with fake tensors and simulate")
+    _add_model_args(analyze)
+    analyze.add_argument("--gpu-memory", type=str, default=None, help="e.g. 32GiB")
+    analyze.add_argument("--device-spec", default="v100-32gb", help="see lms.analysis.DEVICES")
+    analyze.add_argument("--json", help="write the summary here")
+    analyze.add_argument("--plot", help="write the memory graph (PNG) here")
+    analyze.add_argument("--snapshot", help="write a memory_viz snapshot (pickle) here")
+    analyze.set_defaults(run=_analyze)
+
+    demo = commands.add_parser("demo", help="analyze, then train past the budget with LMS")
+    demo.add_argument("--out", default="out/demo", help="folder for the plot and snapshot")
+    demo.add_argument("--steps", type=int, default=3)
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lms`` command."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(message)s",
+        stream=sys.stdout,
+    )
+    if getattr(args, "gpu_memory", None) is not None:
+        try:
+            parse_bytes(args.gpu_memory, field="--gpu-memory")
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            return 2
+    os.makedirs(getattr(args, "out", ".") or ".", exist_ok=True)
+    return int(args.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

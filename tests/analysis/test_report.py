@@ -1,0 +1,144 @@
+"""Reports: simulator invariants, [LMS] lines, the PNG, the memory_viz snapshot, the CLI."""
+
+import json
+import pickle
+import pickletools
+
+import pytest
+import torch
+
+from lms.analysis import analyze, device_spec, runtime_plan, simulate, trace_step
+from lms.cli import main
+from lms.plan import Plan
+
+
+def deep():
+    layers = [torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU()]
+    for _ in range(7):
+        layers += [torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+# Opcodes of plain dicts, lists, strings and numbers: what the viewer's own unpickler reads.
+VIEWER_OPCODES = {
+    "PROTO", "FRAME", "STOP", "MARK", "EMPTY_DICT", "EMPTY_LIST", "SETITEM", "SETITEMS",
+    "APPEND", "APPENDS", "BINUNICODE", "SHORT_BINUNICODE", "BININT", "BININT1", "BININT2",
+    "LONG1", "BINFLOAT", "NONE", "NEWTRUE", "NEWFALSE", "MEMOIZE", "BINPUT", "LONG_BINPUT",
+    "BINGET", "LONG_BINGET",
+}
+
+
+@pytest.fixture(scope="module")
+def report():
+    return analyze(
+        deep, lambda: [torch.randn(8, 3, 128, 128)], gpu_memory="570MiB",
+        device_spec="v100-16gb", name="net",
+    )
+
+
+def test_offloading_everything_lowers_the_peak(report):
+    trace = report.trace
+    spec = device_spec("v100-32gb")
+    n = len(trace.entries())
+    plain = simulate(trace, None, spec)
+    everything = simulate(
+        trace, Plan(fingerprint="x", offload=tuple(range(n)), num_entries=n), spec
+    )
+    assert everything.peak_tensor_bytes < plain.peak_tensor_bytes
+    assert everything.offloaded_bytes == sum(size for _, size, _ in trace.entries())
+    assert everything.step_s >= plain.step_s
+    assert plain.overhead == 0.0
+    # host memory holds what was offloaded, and nothing is left at the end
+    assert everything.host_peak_bytes > 0 and everything.host_bytes[-1] == 0
+    assert plain.device_bytes[-1] >= 0
+
+
+def test_slower_link_costs_more_time(report):
+    trace = report.trace
+    n = len(trace.entries())
+    plan = Plan(fingerprint="x", offload=tuple(range(n)), num_entries=n)
+    fast = simulate(trace, plan, device_spec("gh200"))
+    slow = simulate(trace, plan, device_spec("v100-32gb-pcie3"))
+    assert slow.overhead > fast.overhead
+
+
+def test_lines_say_what_tflms_said(report):
+    text = "\n".join(report.lines())
+    assert "[LMS] The model has" in text and "learning parameters" in text
+    assert "The largest operation is" in text
+    assert "LMS is needed" in text
+    assert "Predicted peak with LMS" in text
+
+
+def test_plot_writes_a_png(report, tmp_path):
+    path = tmp_path / "memory.png"
+    report.plot(path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_snapshot_is_what_memory_viz_reads(report, tmp_path):
+    path = tmp_path / "snap.pickle"
+    report.save_snapshot(path)
+    raw = path.read_bytes()
+    ops = {op.name for op, _, _ in pickletools.genops(raw)}
+    assert ops <= VIEWER_OPCODES, ops - VIEWER_OPCODES
+    assert raw[1] <= 4  # protocol
+    data = pickle.loads(raw)
+    assert set(data) == {"segments", "device_traces"}
+    events = data["device_traces"][0]
+    assert {e["action"] for e in events} == {"alloc", "free_requested", "free_completed"}
+    assert "unknown" in {e["category"] for e in events}
+    for key in ("addr", "size", "stream", "time_us", "frames", "category"):
+        assert all(key in e for e in events)
+    times = [e["time_us"] for e in events]
+    assert times == sorted(times)
+    live = {}
+    for e in events:
+        if e["action"] == "alloc":
+            assert e["addr"] not in live
+            live[e["addr"]] = e["size"]
+        elif e["action"] == "free_completed":
+            assert live.pop(e["addr"]) == e["size"]
+    assert not live
+    json_path = tmp_path / "snap.json"
+    report.save_snapshot(json_path)
+    assert json.loads(json_path.read_text())["device_traces"][0][0]["action"] == "alloc"
+
+
+def test_runtime_plan_respects_the_budget_when_it_can():
+    trace = trace_step(deep, lambda: [torch.randn(8, 3, 128, 128)], device="cpu")
+    spec = device_spec("cpu")
+    plain = simulate(trace, None, spec)
+    plan = runtime_plan(trace, int(plain.peak_tensor_bytes * 0.8))
+    planned = simulate(trace, plan, spec)
+    assert plan.offload
+    assert planned.peak_tensor_bytes < plain.peak_tensor_bytes
+
+
+def test_cli_analyze_writes_json_plot_and_snapshot(tmp_path, caplog):
+    caplog.set_level("INFO", logger="lms")
+    out = tmp_path / "r.json"
+    code = main([
+        "analyze", "--model", "resnet50", "--image-size", "1024", "--batch-size", "1",
+        "--gpu-memory", "1GiB", "--json", str(out), "--plot", str(tmp_path / "p.png"),
+        "--snapshot", str(tmp_path / "s.pickle"),
+    ])
+    assert code == 0
+    data = json.loads(out.read_text())
+    for key in ("peak_bytes", "lms_peak_bytes", "fits", "num_ops", "param_bytes", "largest_op",
+                "tune_seconds", "offloaded_bytes", "predicted_overhead"):
+        assert key in data
+    assert data["peak_bytes"] > 2**30 and data["lms_peak_bytes"] < data["peak_bytes"]
+    assert data["largest_op"]["bytes"] > 0
+    assert (tmp_path / "p.png").exists() and (tmp_path / "s.pickle").exists()
+    assert "[LMS] The largest operation is" in caplog.text
+
+
+def test_cli_rejects_a_bad_size(capsys):
+    code = main(["analyze", "--model", "resnet50", "--image-size", "64", "--gpu-memory", "lots"])
+    assert code == 2
+    assert "--gpu-memory" in capsys.readouterr().err
+
+
+def test_unknown_model_is_a_clear_error():
+    with pytest.raises(ValueError, match="not in the zoo"):
+        main(["analyze", "--model", "vgg99", "--image-size", "64"])

@@ -1,0 +1,125 @@
+"""The fake-tensor trace: peaks against torch's MemTracker, events against the runtime."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import lms
+from lms.analysis import simulate, trace_step
+from lms.analysis.devices import device_spec
+
+
+def memtracker_peak(build, shape):
+    with FakeTensorMode():
+        model = build()
+        x = torch.randn(*shape)
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            model(x).float().mean().backward()
+        return max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+
+
+def resnet18():
+    from torchvision.models import resnet18
+
+    return resnet18(weights=None)
+
+
+def unet3d():
+    from monai.networks.nets import BasicUNet
+
+    return BasicUNet(spatial_dims=3, in_channels=1, out_channels=2)
+
+
+@pytest.mark.parametrize(
+    ("build", "shape"), [(resnet18, (2, 3, 160, 160)), (unet3d, (1, 1, 32, 32, 32))]
+)
+def test_no_lms_peak_within_5pct_of_memtracker(build, shape):
+    trace = trace_step(build, lambda: [torch.randn(*shape)], device="cpu")
+    ours = simulate(trace, None, device_spec("v100-32gb")).peak_tensor_bytes
+    reference = memtracker_peak(build, shape)
+    assert abs(ours / reference - 1) < 0.05, (ours, reference)
+
+
+def test_trace_uses_no_real_memory():
+    from lms.bench.rss import PeakRSS
+
+    with PeakRSS() as rss:
+        trace = trace_step(resnet18, lambda: [torch.randn(24, 3, 1024, 1024)], device="cpu")
+    peak = simulate(trace, None, device_spec("v100-32gb")).peak_tensor_bytes
+    assert peak > 8 * 2**30
+    assert rss.growth_bytes < 1 * 2**30
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(16)
+        self.b = torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.fc = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.a(x)))
+        y = torch.sigmoid(self.b(y)) * y
+        return self.fc(y.mean((2, 3)))
+
+
+def test_saved_events_match_the_runtime(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(2, 3, 64, 64)
+    trace = trace_step(model, [x], device="cpu", min_offload_bytes=0)
+    # the real model's parameters are back in place after tracing
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    offload = lms.LMS(budget="64MiB", min_offload_bytes=0, spill_dir=str(tmp_path))
+    for _ in range(2):
+        with offload:
+            model(x).float().mean().backward()
+    record = offload._record
+    entries = trace.entries()
+    assert [size for _, size, _ in entries] == list(record.nbytes)
+    saves = [e.level for e in trace.events if e.kind == "save" and e.offloadable]
+    first_saves = []
+    seen = set()
+    for event in trace.events:
+        if event.kind == "save" and event.offloadable and event.storage not in seen:
+            seen.add(event.storage)
+            first_saves.append(event.level)
+    assert first_saves == list(record.save_level)
+    assert len(saves) >= len(first_saves)
+    uses = {}
+    for event in trace.events:
+        if event.kind == "use" and event.offloadable:
+            uses.setdefault(event.storage, event.level)
+    assert [uses.get(s) for s, _, _ in entries] == list(record.first_use_level)
+
+
+def test_trace_records_ops_flops_and_modules():
+    trace = trace_step(Net, lambda: [torch.randn(2, 3, 32, 32)], device="cpu")
+    names = [op.name for op in trace.ops]
+    assert "aten.convolution.default" in names
+    assert "aten.convolution_backward.default" in names
+    conv = next(op for op in trace.ops if op.name == "aten.convolution.default")
+    assert conv.flops == 2 * 2 * 16 * 3 * 9 * 32 * 32
+    assert conv.module == "Net.a"
+    assert conv.phase == "forward"
+    assert trace.backward_start_op < len(trace.ops)
+    assert trace.param_bytes == sum(p.numel() * 4 for p in Net().parameters())
+    assert trace.num_levels > 1 and trace.num_edges >= len(trace.ops) - 1
+    assert trace.fingerprint() == trace_step(
+        Net, lambda: [torch.randn(2, 3, 32, 32)], device="cpu"
+    ).fingerprint()
+
+
+def test_optimizer_state_is_counted():
+    trace = trace_step(
+        Net,
+        lambda: [torch.randn(2, 3, 32, 32)],
+        device="cpu",
+        optimizer=lambda params: torch.optim.Adam(params),
+    )
+    assert trace.state_bytes >= 2 * trace.param_bytes
+    assert trace.gradient_bytes == trace.param_bytes

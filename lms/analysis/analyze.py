@@ -17,6 +17,7 @@ from lms.analysis.records import Trace
 from lms.analysis.simulate import SimResult, runtime_plan, simulate
 from lms.analysis.trace import StepFn, trace_step
 from lms.config import AUTO_MIN_OFFLOAD_BYTES
+from lms.errors import PlanInfeasibleError
 from lms.plan import Plan
 
 __all__ = ["analyze", "Report"]
@@ -129,7 +130,7 @@ def analyze(
     device_spec: DeviceSpec | str = "v100-32gb",
     autocast: torch.dtype | None = None,
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
-    planner: Callable[[Trace, DeviceSpec, int], Plan] | None = None,
+    planner: Callable[[Trace, DeviceSpec, int], Plan] | str | None = None,
     min_offload_bytes: int = AUTO_MIN_OFFLOAD_BYTES,
     name: str = "model",
 ) -> Report:
@@ -143,7 +144,8 @@ def analyze(
         device_spec: a `DeviceSpec` or its name (see `lms.analysis.devices.DEVICES`).
         autocast: trace under autocast to this dtype.
         optimizer: builds an optimizer whose ``step()`` ends the step.
-        planner: ``planner(trace, spec, budget) -> Plan``; default: the runtime's own policy.
+        planner: ``planner(trace, spec, budget) -> Plan``; default: `lms.planning.plan_auto`.
+            ``"runtime"`` simulates what `lms.LMS` does on its own, without a plan.
         min_offload_bytes: as in `lms.LMS`.
         name: the model's name in reports.
     """
@@ -165,10 +167,27 @@ def analyze(
     plan = planned = None
     started = time.perf_counter()
     if plain.peak_bytes > budget:
-        if planner is not None:
-            plan = planner(trace, spec, budget)
-        else:
-            plan = runtime_plan(trace, budget)
+        try:
+            if planner == "runtime":
+                plan = runtime_plan(trace, budget)
+            elif callable(planner):
+                plan = planner(trace, spec, budget)
+            else:
+                from lms.planning import plan_auto
+
+                plan = plan_auto(trace, spec, budget, half=half)
+        except PlanInfeasibleError as error:
+            log.info("[LMS] %s", str(error).removeprefix("lms: "))
+            everything = len(trace.entries())
+            plan = Plan(
+                fingerprint=trace.fingerprint(),
+                offload=tuple(range(everything)),
+                num_entries=everything,
+                swapin_ahead=1,
+                sync_mode=3,
+                budget_bytes=budget,
+                source="infeasible",
+            )
         planned = simulate(trace, plan, spec, half=half)
         plan = dataclasses.replace(
             plan, predicted_peak_bytes=planned.peak_bytes, predicted_overhead=planned.overhead

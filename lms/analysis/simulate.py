@@ -164,6 +164,7 @@ def simulate(
     d2h_bw = spec.d2h_gbps * 1e9
     h2d_bw = spec.h2d_gbps * 1e9
     start = [0.0] * (len(trace.ops) + 1)
+    done_at = [0.0] * len(trace.ops)
     out_done: dict[int, float] = {}
     out_start: dict[int, float] = {}
     in_issue: dict[int, float] = {}
@@ -210,12 +211,14 @@ def simulate(
         start[index] = now
         if index < len(trace.ops):
             now += seconds[index]
+            done_at[index] = now
     end_s = now
 
     def op_end(index: int | None) -> float:
-        if index is None or index + 1 >= len(start):
+        """When the op's transient storages are freed: as soon as it finishes."""
+        if index is None or index >= len(done_at):
             return end_s
-        return start[index + 1]
+        return done_at[index]
 
     intervals: list[Interval] = []
     host_spans: list[tuple[float, float, int]] = []
@@ -224,6 +227,10 @@ def simulate(
         begin = 0.0 if record.alloc_op < 0 else start[record.alloc_op]
         finish = op_end(record.free_op)
         ordinal = offloaded_storages.get(record.id)
+        if ordinal is not None and record.alloc_op < 0:
+            # Held outside autograd since before the step (an input): the copy frees nothing.
+            host_spans.append((out_start[ordinal], finish, record.nbytes))
+            ordinal = None
         if ordinal is None:
             intervals.append(Interval(record.id, record.nbytes, begin, finish, record.kind))
             continue

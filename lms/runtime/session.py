@@ -18,6 +18,7 @@ import torch
 
 from lms._units import format_bytes
 from lms.config import LMSConfig
+from lms.plan import Plan
 from lms.runtime import policy
 from lms.runtime.store import Entry, Offloader
 from lms.runtime.stats import LMSStats
@@ -113,10 +114,13 @@ class LMS:
     Args are those of `lms.LMSConfig` (all keyword-only); ``config`` passes a ready one instead.
     """
 
-    def __init__(self, *, config: LMSConfig | None = None, **settings: Any):
+    def __init__(
+        self, *, config: LMSConfig | None = None, plan: Plan | None = None, **settings: Any
+    ):
         if config is not None and settings:
             raise ValueError("lms: pass either config= or settings, not both")
         self.config = config if config is not None else LMSConfig(**settings)
+        self.plan = plan
         host_limit = self.config.host_budget
         if host_limit is None:
             host_limit = _available_host_bytes() // 2
@@ -124,7 +128,7 @@ class LMS:
             tier=self.config.tier,
             host_limit_bytes=int(host_limit),
             spill_dir=self.config.spill_dir,
-            sync_out=self.config.sync_out,
+            sync_out=self.config.sync_out or (plan is not None and plan.sync_mode in (1, 3)),
         )
         if self.config.tier == "disk" or (
             self.config.tier == "auto" and not torch.cuda.is_available()
@@ -174,9 +178,45 @@ class LMS:
             step = self._step
             if step is not None and step.number == 1 and step.entries:
                 self._log_step(step)
+            if (
+                step is not None
+                and self.plan is not None
+                and not step.diverged
+                and len(step.entries) != self.plan.num_entries
+            ):
+                self._diverged(step, len(step.entries), "plan was made for")
             if not self._live:
                 self._offloader.tidy()
             self._offloader.raise_error()
+
+    def tune(
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        step_fn: Any = None,
+        *,
+        autocast: torch.dtype | None = None,
+        cache_dir: str | None = None,
+    ) -> Plan:
+        """Plan before the first step: trace ``step_fn(model, batch)`` with fake tensors, plan it
+        for this device and budget, and follow the plan from then on.
+
+        Raises:
+            PlanInfeasibleError: before any training, when no plan fits the budget.
+        """
+        from lms.tuning import tune_plan
+
+        self.plan = tune_plan(
+            model,
+            batch,
+            step_fn,
+            budget_bytes=self.config.budget_bytes,
+            min_offload_bytes=self.config.min_offload,
+            autocast=autocast,
+            cache_dir=cache_dir,
+        )
+        self._offloader.sync_out = self.config.sync_out or self.plan.sync_mode in (1, 3)
+        return self.plan
 
     def close(self) -> None:
         """Release host buffers and spill files now (also done when the object is collected)."""
@@ -288,22 +328,33 @@ class LMS:
             return None
         return budget - (step.baseline_bytes or 0) - policy.reserve_bytes(step.largest_bytes)
 
+    def _diverged(self, step: _Step, ordinal: int, what: str) -> None:
+        step.diverged = True
+        if not self._warned_divergence:
+            self._warned_divergence = True
+            log.warning(
+                "[LMS] step %d saves tensors other than the %s (at save %d); falling back to "
+                "the runtime's own policy for this step",
+                step.number,
+                what,
+                ordinal,
+            )
+
     def _planned_offload(self, step: _Step, entry: Entry) -> bool:
-        """With a record of an earlier step, decide at save time; False means 'keep for now'."""
+        """With a plan or a record of an earlier step, decide at save time; False: keep for now."""
+        if self.plan is not None and not step.diverged:
+            if entry.ordinal >= self.plan.num_entries:
+                self._diverged(step, entry.ordinal, "plan was made for")
+                return False
+            if step.offload_set is None:
+                step.offload_set = set(self.plan.offload)
+            return entry.ordinal in step.offload_set
         record = step.record
         if record is None or step.diverged:
             return False
         ordinal = entry.ordinal
         if ordinal >= len(record.nbytes) or record.nbytes[ordinal] != entry.nbytes:
-            step.diverged = True
-            if not self._warned_divergence:
-                self._warned_divergence = True
-                log.warning(
-                    "[LMS] step %d saves tensors other than the recorded step did (at save %d); "
-                    "falling back to the runtime's own policy for this step",
-                    step.number,
-                    ordinal,
-                )
+            self._diverged(step, ordinal, "recorded step did")
             return False
         if step.offload_set is None:
             chosen: set[int] = set()
@@ -397,16 +448,19 @@ class LMS:
 
     def _prefetch_after(self, step: _Step, entry: Entry) -> None:
         """Start loading the next offloaded entries backward will read after ``entry``."""
-        if self.config.sync_in:
+        following = self.plan is not None and not step.diverged
+        if self.config.sync_in or (following and self.plan and self.plan.sync_mode in (2, 3)):
             return
         queue = self._use_queue(step)
         position = step.use_pos.get(entry.ordinal)
         if position is None:
             return
-        allowance = self._allowance(step)
+        # A plan's prefetches were checked by the simulator: follow them as they are.
+        allowance = None if following else self._allowance(step)
+        ahead = self.plan.swapin_ahead if following and self.plan else self.config.ahead
         started = 0
         for upcoming in queue[position + 1 :]:
-            if started >= self.config.ahead:
+            if started >= ahead:
                 break
             if upcoming.released or not upcoming.offloaded:
                 continue

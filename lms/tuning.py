@@ -1,0 +1,96 @@
+"""`LMS.tune`: trace the user's step, plan it for the local device, cache the plan by fingerprint."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from lms.analysis.devices import DEVICES, DeviceSpec
+from lms.analysis.trace import StepFn, trace_step
+from lms.plan import Plan
+
+__all__ = ["local_device_spec", "tune_plan", "measure_link_gbps"]
+
+log = logging.getLogger("lms.tuning")
+
+
+def measure_link_gbps(device: torch.device, nbytes: int = 256 * 1024**2) -> tuple[float, float]:
+    """Device-to-host and host-to-device copy rates (GB/s) between pinned memory and ``device``."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    rates = []
+    for dst, src in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)  # warm-up
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(3):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize(device)
+        rates.append(3 * nbytes / (time.perf_counter() - start) / 1e9)
+    return rates[0], rates[1]
+
+
+def local_device_spec(device: torch.device) -> DeviceSpec:
+    """The spec of ``device``: the closest table entry, with measured link rates on a GPU."""
+    if device.type != "cuda":
+        return DEVICES["cpu"]
+    name = torch.cuda.get_device_name(device).lower()
+    total = torch.cuda.get_device_properties(device).total_memory
+    key = next((k for k in ("gh200", "h200", "h100", "a100", "v100") if k in name), "h100")
+    candidates = [s for s in DEVICES.values() if s.name.startswith(key)]
+    base = min(candidates, key=lambda s: abs(s.memory_bytes - total))
+    d2h, h2d = measure_link_gbps(device)
+    log.info("[LMS] %s: measured %.1f GB/s device to host, %.1f GB/s host to device",
+             torch.cuda.get_device_name(device), d2h, h2d)
+    return dataclasses.replace(base, memory_bytes=total, d2h_gbps=d2h, h2d_gbps=h2d)
+
+
+def tune_plan(
+    model: torch.nn.Module,
+    batch: Sequence[torch.Tensor],
+    step_fn: StepFn | None,
+    *,
+    budget_bytes: int | None,
+    min_offload_bytes: int,
+    autocast: torch.dtype | None = None,
+    cache_dir: str | None = None,
+    planner: Callable[..., Plan] | None = None,
+) -> Plan:
+    """Trace ``step_fn(model, batch)`` under fake tensors and plan it for the model's device.
+
+    A plan for the same fingerprint and budget found in ``cache_dir`` is loaded instead of tuned.
+    """
+    from lms.planning import plan_auto
+
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    spec = local_device_spec(device)
+    budget = spec.memory_bytes if budget_bytes is None else budget_bytes
+    started = time.perf_counter()
+    trace = trace_step(
+        model, batch, step_fn, device=device, autocast=autocast,
+        min_offload_bytes=min_offload_bytes, name=type(model).__name__,
+    )
+    folder = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "lms", "plans")
+    path = os.path.join(folder, f"{trace.fingerprint()}-{budget}.json")
+    if os.path.exists(path):
+        plan = Plan.load(path)
+        log.info("[LMS] Loaded the plan for this step from %s", path)
+        return plan
+    choose: Any = planner or plan_auto
+    plan = choose(trace, spec, budget, half=autocast is not None)
+    os.makedirs(folder, exist_ok=True)
+    plan.save(path)
+    log.info(
+        "[LMS] Tuned in %.2f s: offload %d of %d saved storages, predicted peak %.2f GiB, "
+        "overhead %+.1f%%; saved to %s",
+        time.perf_counter() - started, len(plan.offload), plan.num_entries,
+        plan.predicted_peak_bytes / 1024**3, 100 * plan.predicted_overhead, path,
+    )
+    return plan

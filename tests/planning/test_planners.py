@@ -1,0 +1,199 @@
+"""Planner properties on small real graphs (chains, skips, branches) against a brute-force oracle."""
+
+import itertools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import lms
+from lms.analysis import device_spec, simulate, trace_step
+from lms.plan import Plan
+from lms.planning import plan_auto, plan_greedy, tune_tflms
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(4)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class Skips(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.sigmoid(block(x))
+        return x
+
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(256, 256)
+        self.b = nn.Linear(256, 256)
+        self.c = nn.Linear(512, 256)
+
+    def forward(self, x):
+        left, right = torch.tanh(self.a(x)), torch.sigmoid(self.b(x))
+        return torch.tanh(self.c(torch.cat([left, right], dim=1)))
+
+
+SPEC = device_spec("v100-32gb-pcie3")
+
+
+def small_spec():
+    # a slow link and no workspace margin, so that what moves matters
+    import dataclasses
+
+    return dataclasses.replace(SPEC, workspace_bytes=0, d2h_gbps=0.5, h2d_gbps=0.5)
+
+
+def trace_of(model_cls):
+    return trace_step(model_cls, lambda: [torch.randn(2048, 256)], device="cpu")
+
+
+def oracle(trace, spec, budget):
+    """The fastest fitting plan over every subset, prefetch distance and sync mode."""
+    n = len(trace.entries())
+    assert n <= 12
+    best = None
+    for size in range(n + 1):
+        for subset in itertools.combinations(range(n), size):
+            modes = [(a, m) for m in (0, 1) for a in (1, 2, 3, 4, 6, 8)] + [(1, 2), (1, 3)]
+            for ahead, sync_mode in modes:
+                plan = Plan(fingerprint="o", offload=subset, num_entries=n, swapin_ahead=ahead,
+                            sync_mode=sync_mode, budget_bytes=budget)
+                result = simulate(trace, plan, spec)
+                if result.peak_bytes <= budget and (best is None or result.step_s < best):
+                    best = result.step_s
+    return best
+
+
+@pytest.mark.parametrize("model_cls", [Chain, Skips, Branches])
+@pytest.mark.parametrize("fraction", [0.6, 0.75, 0.9])
+def test_planner_within_5pct_of_the_oracle(model_cls, fraction):
+    trace = trace_of(model_cls)
+    spec = small_spec()
+    plain = simulate(trace, None, spec)
+    budget = int(plain.peak_bytes * fraction)
+    best = oracle(trace, spec, budget)
+    if best is None:
+        with pytest.raises(lms.PlanInfeasibleError):
+            plan_auto(trace, spec, budget)
+        return
+    plan = plan_auto(trace, spec, budget)
+    result = simulate(trace, plan, spec)
+    assert result.peak_bytes <= budget
+    assert result.step_s <= best * 1.05, (result.step_s, best)
+
+
+@pytest.mark.parametrize("planner", [plan_greedy, tune_tflms, plan_auto])
+def test_every_plan_fits_and_plans_are_monotone_in_the_budget(planner):
+    trace = trace_of(Skips)
+    spec = small_spec()
+    plain = simulate(trace, None, spec)
+    previous = None
+    for fraction in (0.55, 0.65, 0.75, 0.85, 1.0):
+        budget = int(plain.peak_bytes * fraction)
+        try:
+            plan = planner(trace, spec, budget)
+        except lms.PlanInfeasibleError:
+            assert previous is None  # once a budget fits, larger ones fit too
+            continue
+        result = simulate(trace, plan, spec)
+        assert result.peak_bytes <= budget
+        assert plan.predicted_peak_bytes == result.peak_bytes
+        # More memory never costs more time (TFLMS's binary searches promise no such thing).
+        if previous is not None and planner is not tune_tflms:
+            assert result.step_s <= previous.step_s * 1.0001
+        previous = result
+    assert previous is not None and previous.offloaded_bytes == 0
+
+
+def test_infeasible_budget_names_the_op_and_the_minimum():
+    trace = trace_of(Chain)
+    spec = small_spec()
+    with pytest.raises(lms.PlanInfeasibleError) as info:
+        plan_auto(trace, spec, 1024)
+    error = info.value
+    assert error.min_budget_bytes > 1024
+    assert error.op_name.startswith("aten.")
+    assert "raise the budget" in str(error)
+    assert error.op_name in str(error)
+    # the minimum it names is enough
+    plan = plan_auto(trace, spec, error.min_budget_bytes)
+    assert simulate(trace, plan, spec).peak_bytes <= error.min_budget_bytes
+
+
+def test_tflms_logs_each_passing_set(caplog):
+    caplog.set_level("INFO", logger="lms")
+    trace = trace_of(Chain)
+    spec = small_spec()
+    plain = simulate(trace, None, spec)
+    tune_tflms(trace, spec, int(plain.peak_bytes * 0.8))
+    assert "[LMS] [Simulator] Found a parameter set: swapout_threshold" in caplog.text
+
+
+def test_plan_json_round_trip(tmp_path):
+    trace = trace_of(Chain)
+    spec = small_spec()
+    plan = plan_auto(trace, spec, int(simulate(trace, None, spec).peak_bytes * 0.9))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    with pytest.raises(ValueError, match="outside"):
+        Plan(fingerprint="x", offload=(5,), num_entries=3)
+
+
+def test_tuned_plan_runs_bitwise_and_within_budget(tmp_path, caplog):
+    """Through the runtime with the disk tier: the plan is followed and gradients are exact."""
+    torch.manual_seed(0)
+    model = Skips()
+    x = torch.randn(2048, 256)
+
+    def step(m, batch):
+        loss = m(*batch).square().mean()
+        loss.backward()
+        return loss
+
+    def run(ctx=None):
+        model.zero_grad(set_to_none=True)
+        if ctx is None:
+            loss = step(model, [x])
+        else:
+            with ctx:
+                loss = step(model, [x])
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    ref = run()
+    offload = lms.LMS(budget="18MiB", min_offload_bytes=0, spill_dir=str(tmp_path))
+    plan = offload.tune(model, [x], step, cache_dir=str(tmp_path / "plans"))
+    assert plan.offload
+    for _ in range(2):
+        got = run(offload)
+        assert torch.equal(ref[0], got[0])
+        assert all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
+    # a second tune of the same step loads the cached plan
+    caplog.set_level("INFO", logger="lms")
+    again = lms.LMS(budget="18MiB", min_offload_bytes=0, spill_dir=str(tmp_path))
+    assert again.tune(model, [x], step, cache_dir=str(tmp_path / "plans")) == plan
+    assert "Loaded the plan" in caplog.text
+
+
+def test_divergence_is_reported_once_and_falls_back(tmp_path, caplog):
+    caplog.set_level("WARNING", logger="lms")
+    torch.manual_seed(0)
+    model = Chain()
+    plan = Plan(fingerprint="x", offload=(0,), num_entries=2)
+    offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=str(tmp_path))
+    for _ in range(2):
+        with offload:
+            model(torch.randn(64, 256)).sum().backward()
+    assert caplog.text.count("falling back") == 1

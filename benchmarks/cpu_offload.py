@@ -88,8 +88,16 @@ def main() -> None:
     for repeat in range(args.repeats):
         for name in CONFIGS:  # interleaved, so drift hits every configuration alike
             out = subprocess.run(
-                [sys.executable, __file__, "--child", name, "--size", str(args.size),
-                 "--memory-format", args.memory_format],
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    name,
+                    "--size",
+                    str(args.size),
+                    "--memory-format",
+                    args.memory_format,
+                ],
                 check=True,
                 capture_output=True,
                 text=True,

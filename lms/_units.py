@@ -32,7 +32,9 @@ def parse_bytes(value: int | float | str, *, field: str = "size") -> int:
         ValueError: naming ``field`` when the value is negative or not a size.
     """
     if isinstance(value, bool):
-        raise ValueError(f"lms: {field}={value!r} is not a size; give bytes or a string like '10GiB'")
+        raise ValueError(
+            f"lms: {field}={value!r} is not a size; give bytes or a string like '10GiB'"
+        )
     if isinstance(value, (int, float)):
         number = float(value)
     elif isinstance(value, str):
@@ -45,7 +47,9 @@ def parse_bytes(value: int | float | str, *, field: str = "size") -> int:
             )
         number = float(match.group(1)) * _UNITS[unit]
     else:
-        raise ValueError(f"lms: {field}={value!r} is not a size; give bytes or a string like '10GiB'")
+        raise ValueError(
+            f"lms: {field}={value!r} is not a size; give bytes or a string like '10GiB'"
+        )
     if number < 0:
         raise ValueError(f"lms: {field}={value!r} must be >= 0 bytes")
     return int(number)

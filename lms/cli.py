@@ -52,6 +52,28 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from lms.sweep import plot_sweep, sweep, write_json
+
+    result = sweep(
+        args.model,
+        gpu_memory=args.gpu_memory,
+        step=args.step,
+        batch_size=args.batch_size,
+        start=args.start,
+        device_spec=args.device_spec,
+        amp=args.amp,
+        max_size=args.max_size,
+    )
+    if args.json:
+        write_json(result, args.json)
+        log.info("[LMS] wrote %s", args.json)
+    if args.plot:
+        plot_sweep(result, args.plot)
+        log.info("[LMS] wrote %s", args.plot)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from lms.demo import run_demo
 
@@ -73,6 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--plot", help="write the memory graph (PNG) here")
     analyze.add_argument("--snapshot", help="write a memory_viz snapshot (pickle) here")
     analyze.set_defaults(run=_analyze)
+
+    sweep = commands.add_parser("sweep", help="grow the image edge until the step cannot fit")
+    sweep.add_argument("--model", required=True)
+    sweep.add_argument("--gpu-memory", required=True, help="e.g. 32GiB")
+    sweep.add_argument("--step", type=int, required=True, help="edge increment")
+    sweep.add_argument("--start", type=int, default=None, help="first edge (default: --step)")
+    sweep.add_argument("--max-size", type=int, default=None)
+    sweep.add_argument("--batch-size", type=int, default=1)
+    sweep.add_argument("--amp", action="store_true")
+    sweep.add_argument("--device-spec", default="v100-32gb")
+    sweep.add_argument("--json")
+    sweep.add_argument("--plot")
+    sweep.set_defaults(run=_sweep)
 
     demo = commands.add_parser("demo", help="analyze, then train past the budget with LMS")
     demo.add_argument("--out", default="out/demo", help="folder for the plot and snapshot")

@@ -44,13 +44,15 @@ class LMSConfig:
     """Where offloaded data goes: "auto" (host memory from a CUDA device, disk from the CPU),
     "host" (pinned host memory only) or "disk" (spill files)."""
     swapout_threshold: int = -1
-    """Offload a saved tensor whose distance in levels to its first use is at least this; -1: by budget."""
+    """Offload a saved tensor whose distance in levels to its first use is at least this;
+    -1: by budget."""
     swapin_ahead: int = -1
-    """Start bringing a tensor back this many uses before backward needs it; -1: automatic (2)."""
+    """Start bringing a tensor back this many uses before backward needs it; -1: auto (2)."""
     swapin_groupby: int = -1
     """Tensors used within this many levels after a prefetched one come back with it; -1: 0."""
     sync_mode: int = 0
-    """0: asynchronous copies, 1: wait for each copy out, 2: no prefetch (copy in on demand), 3: both."""
+    """0: asynchronous copies, 1: wait for each copy out, 2: no prefetch (copy in on demand),
+    3: both."""
     min_offload_bytes: int | str = -1
     """Saved tensors smaller than this stay on the device; -1: automatic (256 KiB)."""
     spill_dir: str | None = None

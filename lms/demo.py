@@ -40,16 +40,26 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
 
     # 1. Analyze with fake tensors: the plain peak sets the budget.
     probe = analyze(
-        entry.build, lambda: entry.make_batch(size, batch), entry.step_fn,
-        device_spec=spec, name=f"{MODEL} {size}px batch {batch}",
+        entry.build,
+        lambda: entry.make_batch(size, batch),
+        entry.step_fn,
+        device_spec=spec,
+        name=f"{MODEL} {size}px batch {batch}",
     )
     budget = int(probe.plain.peak_tensor_bytes * BUDGET_FRACTION)
-    log.info("[LMS] Demo budget: %s (%.0f%% of the step's %s of tensors)", format_bytes(budget),
-             100 * BUDGET_FRACTION, format_bytes(probe.plain.peak_tensor_bytes))
+    log.info(
+        "[LMS] Demo budget: %s (%.0f%% of the step's %s of tensors)",
+        format_bytes(budget),
+        100 * BUDGET_FRACTION,
+        format_bytes(probe.plain.peak_tensor_bytes),
+    )
     spec = spec.with_memory(budget + spec.workspace_bytes)
     report = analyze(
-        entry.build, lambda: entry.make_batch(size, batch), entry.step_fn,
-        device_spec=spec, name=f"{MODEL} {size}px batch {batch}",
+        entry.build,
+        lambda: entry.make_batch(size, batch),
+        entry.step_fn,
+        device_spec=spec,
+        name=f"{MODEL} {size}px batch {batch}",
     )
     os.makedirs(out_dir, exist_ok=True)
     plot_path = os.path.join(out_dir, "memory.png")
@@ -60,7 +70,7 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     # 2. Train for real with LMS on.
     torch.manual_seed(0)
     fmt = torch.channels_last
-    model = entry.build().to(device, memory_format=fmt)
+    model = entry.build().to(device).to(memory_format=fmt)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     images, labels = entry.make_batch(size, batch)
     images = images.to(device).contiguous(memory_format=fmt)
@@ -106,8 +116,8 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
         f"{format_bytes(probe.plain.peak_tensor_bytes)}",
         f"[LMS] Offloaded {format_bytes(stats.offloaded_bytes / max(stats.steps, 1))} per step "
         f"({stats.offloaded_tensors // max(stats.steps, 1)} storages) to "
-        f"{'host memory' if cuda else 'spill files'}; waited {stats.wait_s / max(stats.steps, 1):.3f}"
-        " s per step for data to come back",
+        f"{'host memory' if cuda else 'spill files'}; waited "
+        f"{stats.wait_s / max(stats.steps, 1):.3f} s per step for data to come back",
         f"[LMS] Wrote {plot_path} and {snapshot_path} (open the latter at pytorch.org/memory_viz)",
     ]
     for line in lines:

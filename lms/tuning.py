@@ -1,4 +1,4 @@
-"""`LMS.tune`: trace the user's step, plan it for the local device, cache the plan by fingerprint."""
+"""`LMS.tune`: trace the user's step, plan it for the local device, cache plans by fingerprint."""
 
 from __future__ import annotations
 
@@ -46,8 +46,12 @@ def local_device_spec(device: torch.device) -> DeviceSpec:
     candidates = [s for s in DEVICES.values() if s.name.startswith(key)]
     base = min(candidates, key=lambda s: abs(s.memory_bytes - total))
     d2h, h2d = measure_link_gbps(device)
-    log.info("[LMS] %s: measured %.1f GB/s device to host, %.1f GB/s host to device",
-             torch.cuda.get_device_name(device), d2h, h2d)
+    log.info(
+        "[LMS] %s: measured %.1f GB/s device to host, %.1f GB/s host to device",
+        torch.cuda.get_device_name(device),
+        d2h,
+        h2d,
+    )
     return dataclasses.replace(base, memory_bytes=total, d2h_gbps=d2h, h2d_gbps=h2d)
 
 
@@ -74,8 +78,13 @@ def tune_plan(
     budget = spec.memory_bytes if budget_bytes is None else budget_bytes
     started = time.perf_counter()
     trace = trace_step(
-        model, batch, step_fn, device=device, autocast=autocast,
-        min_offload_bytes=min_offload_bytes, name=type(model).__name__,
+        model,
+        batch,
+        step_fn,
+        device=device,
+        autocast=autocast,
+        min_offload_bytes=min_offload_bytes,
+        name=type(model).__name__,
     )
     folder = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "lms", "plans")
     path = os.path.join(folder, f"{trace.fingerprint()}-{budget}.json")
@@ -90,7 +99,11 @@ def tune_plan(
     log.info(
         "[LMS] Tuned in %.2f s: offload %d of %d saved storages, predicted peak %.2f GiB, "
         "overhead %+.1f%%; saved to %s",
-        time.perf_counter() - started, len(plan.offload), plan.num_entries,
-        plan.predicted_peak_bytes / 1024**3, 100 * plan.predicted_overhead, path,
+        time.perf_counter() - started,
+        len(plan.offload),
+        plan.num_entries,
+        plan.predicted_peak_bytes / 1024**3,
+        100 * plan.predicted_overhead,
+        path,
     )
     return plan

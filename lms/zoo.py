@@ -62,7 +62,12 @@ class TinyLM(torch.nn.Module):
         self.embed = torch.nn.Embedding(vocab, dim)
         self.blocks = torch.nn.ModuleList(
             torch.nn.TransformerEncoderLayer(
-                dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True,
+                dim,
+                heads,
+                4 * dim,
+                dropout=0.0,
+                batch_first=True,
+                norm_first=True,
                 activation="gelu",
             )
             for _ in range(layers)
@@ -119,12 +124,21 @@ def _tokens(size: int, batch: int) -> Sequence[torch.Tensor]:
 ZOO: dict[str, ZooModel] = {
     model.name: model
     for model in (
-        ZooModel("resnet50", _resnet50, _images(3, 1000), "pixels", lambda s: s * s, 224,
-                 _classify_step),
-        ZooModel("googlenet", _googlenet, _images(3, 1000), "pixels", lambda s: s * s, 224,
-                 _classify_step),
-        ZooModel("deeplabv3", _deeplabv3, _segmentation, "pixels", lambda s: s * s, 512,
-                 _classify_step),
+        ZooModel(
+            "resnet50", _resnet50, _images(3, 1000), "pixels", lambda s: s * s, 224, _classify_step
+        ),
+        ZooModel(
+            "googlenet",
+            _googlenet,
+            _images(3, 1000),
+            "pixels",
+            lambda s: s * s,
+            224,
+            _classify_step,
+        ),
+        ZooModel(
+            "deeplabv3", _deeplabv3, _segmentation, "pixels", lambda s: s * s, 512, _classify_step
+        ),
         ZooModel("unet3d", _unet3d, _volumes, "voxels", lambda s: s**3, 96, _classify_step),
         ZooModel("tinylm", TinyLM, _tokens, "tokens", lambda s: s, 2048, _lm_step),
     )

@@ -38,7 +38,7 @@ def run_step(model, inputs, ctx=None, *, seed=0, loss_fn=None, retain=False):
 def assert_bitwise(ref, got):
     assert torch.equal(ref[0], got[0]), (ref[0], got[0])
     assert len(ref[1]) == len(got[1])
-    for a, b in zip(ref[1], got[1]):
+    for a, b in zip(ref[1], got[1], strict=True):
         assert torch.equal(a, b)
 
 

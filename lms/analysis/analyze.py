@@ -150,7 +150,9 @@ def analyze(
         name: the model's name in reports.
     """
     spec = device_spec if isinstance(device_spec, DeviceSpec) else _spec(device_spec)
-    budget = spec.memory_bytes if gpu_memory is None else parse_bytes(gpu_memory, field="gpu_memory")
+    budget = (
+        spec.memory_bytes if gpu_memory is None else parse_bytes(gpu_memory, field="gpu_memory")
+    )
     started = time.perf_counter()
     trace = trace_step(
         model,

@@ -43,8 +43,9 @@ class DeviceSpec:
         return dataclasses.replace(self, memory_bytes=parse_bytes(memory, field="gpu_memory"))
 
 
-def _gpu(name: str, mem_gib: float, fp32: float, half: float, hbm: float, link_gbps: float,
-         link: str) -> DeviceSpec:
+def _gpu(
+    name: str, mem_gib: float, fp32: float, half: float, hbm: float, link_gbps: float, link: str
+) -> DeviceSpec:
     return DeviceSpec(
         name=name,
         memory_bytes=int(mem_gib * GiB),

@@ -137,12 +137,9 @@ def simulate(
     sync_in = plan is not None and plan.sync_mode in (2, 3)
     storage_of = {i: entries[i][0] for i in offload}
     first_use = trace.first_use_op()
-    by_storage = {s.id: s for s in trace.storages}
 
     # Prefetch triggers: the use of the offloaded entry `ahead` places earlier in use order.
-    used = sorted(
-        (first_use[storage_of[i]], i) for i in offload if storage_of[i] in first_use
-    )
+    used = sorted((first_use[storage_of[i]], i) for i in offload if storage_of[i] in first_use)
     first_backward_use = min(first_use.values(), default=trace.backward_start_op)
     issue_op: dict[int, int] = {}
     for rank, (use_op, ordinal) in enumerate(used):
@@ -194,8 +191,10 @@ def simulate(
                 wait += d2h_free - now
                 now = d2h_free
             pending = [(done, size) for done, size in pending if done > now]
-            while allowance is not None and pending and (
-                kept + sum(size for _, size in pending) > allowance
+            while (
+                allowance is not None
+                and pending
+                and (kept + sum(size for _, size in pending) > allowance)
             ):
                 done, _ = pending.pop(0)
                 wait += max(done - now, 0.0)
@@ -226,21 +225,21 @@ def simulate(
     for record in trace.storages:
         begin = 0.0 if record.alloc_op < 0 else start[record.alloc_op]
         finish = op_end(record.free_op)
-        ordinal = offloaded_storages.get(record.id)
-        if ordinal is not None and record.alloc_op < 0:
+        moved = offloaded_storages.get(record.id)
+        if moved is not None and record.alloc_op < 0:
             # Held outside autograd since before the step (an input): the copy frees nothing.
-            host_spans.append((out_start[ordinal], finish, record.nbytes))
-            ordinal = None
-        if ordinal is None:
+            host_spans.append((out_start[moved], finish, record.nbytes))
+            moved = None
+        if moved is None:
             intervals.append(Interval(record.id, record.nbytes, begin, finish, record.kind))
             continue
-        released = max(out_done[ordinal], op_end(record.last_forward_op))
+        released = max(out_done[moved], op_end(record.last_forward_op))
         intervals.append(Interval(record.id, record.nbytes, begin, released, record.kind))
-        if ordinal in in_issue:
+        if moved in in_issue:
             intervals.append(
-                Interval(record.id, record.nbytes, in_issue[ordinal], finish, "reloaded")
+                Interval(record.id, record.nbytes, in_issue[moved], finish, "reloaded")
             )
-        host_spans.append((out_start[ordinal], finish, record.nbytes))
+        host_spans.append((out_start[moved], finish, record.nbytes))
 
     times, device, host, peak_tensor, peak_at = _sweep(intervals, host_spans, spec)
     peak_rounded = max(device, default=0)

@@ -218,7 +218,7 @@ def _fake_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
                 for name, value in table.items():
                     if value is None:
                         continue
-                    fake = torch.empty_strided(
+                    fake: Any = torch.empty_strided(
                         value.shape, value.stride(), dtype=value.dtype, device=device
                     )
                     if isinstance(value, torch.nn.Parameter):
@@ -275,11 +275,7 @@ def trace_step(
             param_bytes = recorder.register(iter(built.parameters()), "param")
             buffer_bytes = recorder.register(iter(built.buffers()), "buffer")
             input_bytes = recorder.register(iter(inputs), "input")
-            amp = (
-                torch.autocast(target.type, dtype=autocast)
-                if autocast is not None
-                else _noop()
-            )
+            amp = torch.autocast(target.type, dtype=autocast) if autocast is not None else _noop()
             hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
             recorder.name_modules(built)
             pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.enter_module)

@@ -110,6 +110,11 @@ def plan_greedy(
     log.info(
         "[LMS] [Planner] keep %d, offload %d of %d saved storages; swapin_ahead %d, "
         "sync_mode %d; %d simulations",
-        len(kept), len(offload), len(entries), ahead, sync_mode, checker.simulations,
+        len(kept),
+        len(offload),
+        len(entries),
+        ahead,
+        sync_mode,
+        checker.simulations,
     )
     return checker.finish(plan, result)

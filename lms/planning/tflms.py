@@ -58,7 +58,10 @@ def tune_tflms(trace: Trace, spec: DeviceSpec, budget_bytes: int, *, half: bool 
             log.info(
                 "[LMS] [Simulator] Found a parameter set: swapout_threshold %d, swapin_ahead %d,"
                 " swapin_groupby %d, sync_mode %d",
-                trial["threshold"], trial["ahead"], trial["groupby"], trial["sync"],
+                trial["threshold"],
+                trial["ahead"],
+                trial["groupby"],
+                trial["sync"],
             )
             return True
         return False

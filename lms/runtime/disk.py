@@ -39,8 +39,7 @@ def check_spill_dir(path: str | None) -> str:
         probe = tempfile.mkdtemp(prefix=".lms-probe-", dir=folder)
     except OSError as exc:
         raise SpillError(
-            f"lms: spill_dir {folder!r} is not writable ({exc.strerror}); "
-            "pass a writable spill_dir"
+            f"lms: spill_dir {folder!r} is not writable ({exc.strerror}); pass a writable spill_dir"
         ) from exc
     os.rmdir(probe)
     return folder
@@ -96,7 +95,7 @@ class SpillStore:
         return self._pool.submit(self._write, path, data)
 
     def _write(self, path: str, data: torch.Tensor) -> None:
-        view = memoryview(data.numpy())
+        view = memoryview(data.numpy())  # type: ignore[arg-type]
         try:
             with open(path, "wb", buffering=0) as handle:
                 written = 0
@@ -112,8 +111,7 @@ class SpillStore:
                     "room, raise the budget or lower the batch size"
                 ) from exc
             raise SpillError(
-                f"lms: writing a spill file in {self.root!r} failed ({exc}); "
-                "check the spill_dir"
+                f"lms: writing a spill file in {self.root!r} failed ({exc}); check the spill_dir"
             ) from exc
 
     def read(self, key: int, into: torch.Tensor) -> concurrent.futures.Future[torch.Tensor]:
@@ -122,7 +120,7 @@ class SpillStore:
 
     @staticmethod
     def _read(path: str, into: torch.Tensor) -> torch.Tensor:
-        view = memoryview(into.numpy())
+        view = memoryview(into.numpy())  # type: ignore[arg-type]
         with open(path, "rb", buffering=0) as handle:
             done = 0
             while done < len(view):

@@ -20,8 +20,8 @@ from lms._units import format_bytes
 from lms.config import LMSConfig
 from lms.plan import Plan
 from lms.runtime import policy
-from lms.runtime.store import Entry, Offloader
 from lms.runtime.stats import LMSStats
+from lms.runtime.store import Entry, Offloader
 
 __all__ = ["LMS", "no_offload"]
 
@@ -231,14 +231,15 @@ class LMS:
             self._live.clear()
             self._by_storage.clear()
             self._step = None  # a failed step is no record to follow
-            log.info("[LMS] step %d failed; discarded %d offloaded storages", self.stats.steps,
-                     len(entries))
+            log.info(
+                "[LMS] step %d failed; discarded %d offloaded storages",
+                self.stats.steps,
+                len(entries),
+            )
 
     # -- hooks -----------------------------------------------------------------------------
     def _note_module(self, module: torch.nn.Module, args: object) -> None:
-        for tensor in module.parameters(recurse=False):
-            self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
-        for tensor in module.buffers(recurse=False):
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
 
     def _keeps(self, tensor: torch.Tensor) -> bool:
@@ -273,7 +274,11 @@ class LMS:
             found = self._by_storage.get(slot)
             entry = found[1] if found is not None and found[0]() is storage else None
             base = tensor if tensor._base is None else tensor._base
-            if entry is None or entry.released or (entry.offloaded and not self._joins(entry, base)):
+            if (
+                entry is None
+                or entry.released
+                or (entry.offloaded and not self._joins(entry, base))
+            ):
                 entry = self._new_entry(step, storage, tensor.device, base)
                 self._by_storage[slot] = (weakref.ref(storage), entry)
             entry.handles += 1
@@ -309,7 +314,9 @@ class LMS:
         self.stats.saved_bytes += entry.nbytes
         step.largest_bytes = max(step.largest_bytes, entry.nbytes)
         if step.baseline_bytes is None:
-            step.baseline_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            step.baseline_bytes = (
+                torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            )
         if self._planned_offload(step, entry):
             self._offload(entry)
             self._evict(step)

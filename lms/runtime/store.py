@@ -356,4 +356,3 @@ class Offloader:
     def disk(self) -> SpillStore | None:
         """The spill store, once one was made."""
         return self._disk
-

@@ -18,20 +18,45 @@ def deep():
         layers += [torch.nn.Conv2d(16, 16, 3, padding=1), torch.nn.Tanh()]
     return torch.nn.Sequential(*layers)
 
+
 # Opcodes of plain dicts, lists, strings and numbers: what the viewer's own unpickler reads.
 VIEWER_OPCODES = {
-    "PROTO", "FRAME", "STOP", "MARK", "EMPTY_DICT", "EMPTY_LIST", "SETITEM", "SETITEMS",
-    "APPEND", "APPENDS", "BINUNICODE", "SHORT_BINUNICODE", "BININT", "BININT1", "BININT2",
-    "LONG1", "BINFLOAT", "NONE", "NEWTRUE", "NEWFALSE", "MEMOIZE", "BINPUT", "LONG_BINPUT",
-    "BINGET", "LONG_BINGET",
+    "PROTO",
+    "FRAME",
+    "STOP",
+    "MARK",
+    "EMPTY_DICT",
+    "EMPTY_LIST",
+    "SETITEM",
+    "SETITEMS",
+    "APPEND",
+    "APPENDS",
+    "BINUNICODE",
+    "SHORT_BINUNICODE",
+    "BININT",
+    "BININT1",
+    "BININT2",
+    "LONG1",
+    "BINFLOAT",
+    "NONE",
+    "NEWTRUE",
+    "NEWFALSE",
+    "MEMOIZE",
+    "BINPUT",
+    "LONG_BINPUT",
+    "BINGET",
+    "LONG_BINGET",
 }
 
 
 @pytest.fixture(scope="module")
 def report():
     return analyze(
-        deep, lambda: [torch.randn(8, 3, 128, 128)], gpu_memory="570MiB",
-        device_spec="v100-16gb", name="net",
+        deep,
+        lambda: [torch.randn(8, 3, 128, 128)],
+        gpu_memory="570MiB",
+        device_spec="v100-16gb",
+        name="net",
     )
 
 
@@ -117,15 +142,38 @@ def test_runtime_plan_respects_the_budget_when_it_can():
 def test_cli_analyze_writes_json_plot_and_snapshot(tmp_path, caplog):
     caplog.set_level("INFO", logger="lms")
     out = tmp_path / "r.json"
-    code = main([
-        "analyze", "--model", "resnet50", "--image-size", "1024", "--batch-size", "1",
-        "--gpu-memory", "1GiB", "--json", str(out), "--plot", str(tmp_path / "p.png"),
-        "--snapshot", str(tmp_path / "s.pickle"),
-    ])
+    code = main(
+        [
+            "analyze",
+            "--model",
+            "resnet50",
+            "--image-size",
+            "1024",
+            "--batch-size",
+            "1",
+            "--gpu-memory",
+            "1GiB",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "p.png"),
+            "--snapshot",
+            str(tmp_path / "s.pickle"),
+        ]
+    )
     assert code == 0
     data = json.loads(out.read_text())
-    for key in ("peak_bytes", "lms_peak_bytes", "fits", "num_ops", "param_bytes", "largest_op",
-                "tune_seconds", "offloaded_bytes", "predicted_overhead"):
+    for key in (
+        "peak_bytes",
+        "lms_peak_bytes",
+        "fits",
+        "num_ops",
+        "param_bytes",
+        "largest_op",
+        "tune_seconds",
+        "offloaded_bytes",
+        "predicted_overhead",
+    ):
         assert key in data
     assert data["peak_bytes"] > 2**30 and data["lms_peak_bytes"] < data["peak_bytes"]
     assert data["largest_op"]["bytes"] > 0

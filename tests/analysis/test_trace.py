@@ -109,9 +109,10 @@ def test_trace_records_ops_flops_and_modules():
     assert trace.backward_start_op < len(trace.ops)
     assert trace.param_bytes == sum(p.numel() * 4 for p in Net().parameters())
     assert trace.num_levels > 1 and trace.num_edges >= len(trace.ops) - 1
-    assert trace.fingerprint() == trace_step(
-        Net, lambda: [torch.randn(2, 3, 32, 32)], device="cpu"
-    ).fingerprint()
+    assert (
+        trace.fingerprint()
+        == trace_step(Net, lambda: [torch.randn(2, 3, 32, 32)], device="cpu").fingerprint()
+    )
 
 
 def test_optimizer_state_is_counted():

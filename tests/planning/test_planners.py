@@ -1,4 +1,4 @@
-"""Planner properties on small real graphs (chains, skips, branches) against a brute-force oracle."""
+"""Planner properties on small real graphs (chains, skips, branches) and a brute-force oracle."""
 
 import itertools
 
@@ -15,7 +15,9 @@ from lms.planning import plan_auto, plan_greedy, tune_tflms
 class Chain(nn.Module):
     def __init__(self):
         super().__init__()
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(4)])
+        self.layers = nn.Sequential(
+            *[nn.Sequential(nn.Linear(256, 256), nn.Tanh()) for _ in range(4)]
+        )
 
     def forward(self, x):
         return self.layers(x)
@@ -67,8 +69,14 @@ def oracle(trace, spec, budget):
         for subset in itertools.combinations(range(n), size):
             modes = [(a, m) for m in (0, 1) for a in (1, 2, 3, 4, 6, 8)] + [(1, 2), (1, 3)]
             for ahead, sync_mode in modes:
-                plan = Plan(fingerprint="o", offload=subset, num_entries=n, swapin_ahead=ahead,
-                            sync_mode=sync_mode, budget_bytes=budget)
+                plan = Plan(
+                    fingerprint="o",
+                    offload=subset,
+                    num_entries=n,
+                    swapin_ahead=ahead,
+                    sync_mode=sync_mode,
+                    budget_bytes=budget,
+                )
                 result = simulate(trace, plan, spec)
                 if result.peak_bytes <= budget and (best is None or result.step_s < best):
                     best = result.step_s
@@ -178,7 +186,7 @@ def test_tuned_plan_runs_bitwise_and_within_budget(tmp_path, caplog):
     for _ in range(2):
         got = run(offload)
         assert torch.equal(ref[0], got[0])
-        assert all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+        assert all(torch.equal(a, b) for a, b in zip(ref[1], got[1], strict=True))
     assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
     # a second tune of the same step loads the cached plan
     caplog.set_level("INFO", logger="lms")

@@ -47,7 +47,10 @@ SCRIPT = textwrap.dedent(
 def test_tuned_plan_keeps_rss_growth_within_budget_and_prediction(tmp_path):
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT, "200", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["offloaded"] > 0

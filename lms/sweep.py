@@ -1,0 +1,175 @@
+"""The seed's protocol, simulated: grow the image edge until the step no longer fits, first without
+LMS, then with it; predicted data rate (pixels/s or voxels/s) at every size."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from lms._units import format_bytes, parse_bytes
+from lms.analysis import device_spec as lookup_spec
+from lms.analysis import simulate, trace_step
+from lms.errors import PlanInfeasibleError
+from lms.planning import plan_auto
+from lms.zoo import zoo_model
+
+__all__ = ["sweep", "plot_sweep"]
+
+log = logging.getLogger("lms.sweep")
+
+
+def sweep(
+    model: str,
+    *,
+    gpu_memory: int | str,
+    step: int,
+    batch_size: int = 1,
+    start: int | None = None,
+    device_spec: str = "v100-32gb",
+    amp: bool = False,
+    max_size: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Sweep edge sizes ``start, start+step, ...`` until even LMS cannot fit the step.
+
+    Returns a JSON-ready dict with ``max_size_without_lms``, ``max_size_with_lms`` and ``points``.
+    """
+    entry = zoo_model(model)
+    budget = parse_bytes(gpu_memory, field="gpu_memory")
+    spec = lookup_spec(device_spec, memory=budget)
+    half = amp
+    size = start or step
+    points: list[dict[str, Any]] = []
+    max_plain = max_lms = None
+    bar = tqdm(desc=f"sweep {model}", unit="size", disable=not progress)
+    while max_size is None or size <= max_size:
+        started = time.perf_counter()
+        trace = trace_step(
+            entry.build,
+            _batch_of(entry, size, batch_size),
+            entry.step_fn,
+            device="cpu",
+            autocast=torch.bfloat16 if amp else None,
+            name=model,
+        )
+        plain = simulate(trace, None, spec, half=half)
+        elements = batch_size * entry.elements(size)
+        point: dict[str, Any] = {
+            "size": size,
+            "elements": elements,
+            "peak_bytes": plain.peak_bytes,
+            "largest_op_bytes": trace.largest_op.working_set_bytes,
+            "fits_without_lms": plain.peak_bytes <= budget,
+            "rate_without_lms": elements / plain.step_s,
+        }
+        if point["fits_without_lms"]:
+            max_plain = size
+            point.update(
+                fits_with_lms=True,
+                lms_peak_bytes=plain.peak_bytes,
+                predicted_overhead=0.0,
+                rate_with_lms=elements / plain.step_s,
+                offloaded_bytes=0,
+            )
+        else:
+            try:
+                plan = plan_auto(trace, spec, budget, half=half)
+            except PlanInfeasibleError as error:
+                point.update(fits_with_lms=False, min_budget_bytes=error.min_budget_bytes)
+                points.append(point)
+                bar.update(1)
+                log.info("[LMS] %s at %d: %s", model, size, str(error).removeprefix("lms: "))
+                break
+            planned = simulate(trace, plan, spec, half=half)
+            point.update(
+                fits_with_lms=True,
+                lms_peak_bytes=planned.peak_bytes,
+                predicted_overhead=planned.overhead,
+                rate_with_lms=elements / planned.step_s,
+                offloaded_bytes=planned.offloaded_bytes,
+            )
+            max_lms = size
+        point["seconds"] = time.perf_counter() - started
+        points.append(point)
+        bar.update(1)
+        bar.set_postfix(size=size, peak=format_bytes(plain.peak_bytes))
+        size += step
+    bar.close()
+    if max_lms is None:
+        max_lms = max_plain
+    ratio = entry.elements(max_lms) / entry.elements(max_plain) if max_plain and max_lms else None
+    result = {
+        "model": model,
+        "unit": entry.unit,
+        "device_spec": dataclasses.asdict(spec),
+        "gpu_memory_bytes": budget,
+        "batch_size": batch_size,
+        "step": step,
+        "amp": amp,
+        "max_size_without_lms": max_plain,
+        "max_size_with_lms": max_lms,
+        "elements_ratio": ratio,
+        "points": points,
+    }
+    log.info(
+        "[LMS] %s on %s: largest size without LMS %s, with LMS %s (%s the %s)",
+        model,
+        format_bytes(budget),
+        max_plain,
+        max_lms,
+        f"{ratio:.1f}x" if ratio else "n/a",
+        entry.unit,
+    )
+    return result
+
+
+def _batch_of(entry: Any, size: int, batch_size: int) -> Any:
+    return lambda: entry.make_batch(size, batch_size)
+
+
+def plot_sweep(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """PNG of the predicted data rate against the edge size, without and with LMS."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    unit = result["unit"]
+    scale, label = (1e6, f"mega{unit}/s") if unit != "tokens" else (1e3, "ktokens/s")
+    points = result["points"]
+    plain = [(p["size"], p["rate_without_lms"] / scale) for p in points if p["fits_without_lms"]]
+    with_lms = [
+        (p["size"], p["rate_with_lms"] / scale)
+        for p in points
+        if p.get("fits_with_lms") and not p["fits_without_lms"]
+    ]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    if plain:
+        ax.plot(*zip(*plain, strict=True), "o-", label="without LMS", color="tab:red")
+    if with_lms:
+        ax.plot(*zip(*with_lms, strict=True), "s-", label="with LMS", color="tab:blue")
+    ax.set_xlabel(f"image edge ({'voxels' if unit == 'voxels' else 'pixels'})")
+    ax.set_ylabel(f"predicted data rate ({label})")
+    ax.set_ylim(bottom=0)
+    spec = result["device_spec"]
+    ax.set_title(
+        f"{result['model']}, batch {result['batch_size']}, {spec['name']} limited to "
+        f"{result['gpu_memory_bytes'] / 2**30:.0f} GiB ({spec['link']})"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_json(result: dict[str, Any], path: str) -> None:
+    """Write the sweep result as JSON."""
+    with open(path, "w") as handle:
+        json.dump(result, handle, indent=2)

@@ -1,0 +1,43 @@
+"""`lms sweep`: the seed's protocol on the simulator."""
+
+import json
+
+from lms.cli import main
+
+
+def test_sweep_finds_both_limits_and_writes_json_and_plot(tmp_path):
+    out = tmp_path / "sweep.json"
+    plot = tmp_path / "sweep.png"
+    code = main(
+        [
+            "-q",
+            "sweep",
+            "--model",
+            "resnet50",
+            "--gpu-memory",
+            "1.6GiB",
+            "--step",
+            "384",
+            "--max-size",
+            "2304",
+            "--json",
+            str(out),
+            "--plot",
+            str(plot),
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    plain, with_lms = result["max_size_without_lms"], result["max_size_with_lms"]
+    assert plain is not None and with_lms is not None and with_lms > plain
+    points = result["points"]
+    assert [p["size"] for p in points][:3] == [384, 768, 1152]
+    for point in points:
+        assert point["peak_bytes"] > 0 and "fits_without_lms" in point
+        if point["fits_without_lms"]:
+            assert point["size"] <= plain
+        elif point["fits_with_lms"]:
+            assert point["lms_peak_bytes"] <= result["gpu_memory_bytes"]
+            assert point["predicted_overhead"] >= 0
+    assert result["elements_ratio"] == (with_lms / plain) ** 2
+    assert plot.read_bytes()[:4] == b"\x89PNG"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -74,6 +75,57 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from lms.errors import PlanInfeasibleError
+    from lms.train import load_images, train
+
+    data = load_images(args.data, args.image_size, args.batch_size) if args.data else None
+    try:
+        result = train(
+            args.model,
+            size=args.image_size,
+            batch_size=args.batch_size,
+            steps=args.steps,
+            method="lms" if args.lms else "none",
+            budget=args.budget,
+            tier=args.tier,
+            amp=args.amp,
+            data=data,
+        )
+    except PlanInfeasibleError as error:
+        print(error, file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(dataclasses.asdict(result), out, indent=2)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from lms.bench.compare import bench, plot_bench
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    result = bench(
+        args.model,
+        sizes=sizes,
+        budget=args.budget,
+        methods=args.methods.split(","),
+        batch_size=args.batch_size,
+        steps=args.steps,
+        amp=args.amp,
+    )
+    for method, size in result["largest_size"].items():
+        log.info("[LMS] largest size reached by %s: %s", method, size)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2)
+        log.info("[LMS] wrote %s", args.json)
+    if args.plot:
+        plot_bench(result, args.plot)
+        log.info("[LMS] wrote %s", args.plot)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from lms.demo import run_demo
 
@@ -108,6 +160,28 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--json")
     sweep.add_argument("--plot")
     sweep.set_defaults(run=_sweep)
+
+    train = commands.add_parser("train", help="train a zoo model and measure it")
+    _add_model_args(train)
+    train.add_argument("--steps", type=int, default=5)
+    train.add_argument("--lms", action=argparse.BooleanOptionalAction, default=True)
+    train.add_argument("--budget", default=None, help="device memory for the step, e.g. 32GiB")
+    train.add_argument("--tier", default="auto", choices=["auto", "host", "disk"])
+    train.add_argument("--data", default=None, help="folder of images (one subfolder a class)")
+    train.add_argument("--json")
+    train.set_defaults(run=_train)
+
+    bench = commands.add_parser("bench", help="measure LMS beside the peers over sizes")
+    bench.add_argument("--model", required=True)
+    bench.add_argument("--sizes", required=True, help="comma-separated edges")
+    bench.add_argument("--budget", default=None)
+    bench.add_argument("--methods", default="none,lms,save_on_cpu,checkpoint")
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--steps", type=int, default=3)
+    bench.add_argument("--amp", action="store_true")
+    bench.add_argument("--json")
+    bench.add_argument("--plot")
+    bench.set_defaults(run=_bench)
 
     demo = commands.add_parser("demo", help="analyze, then train past the budget with LMS")
     demo.add_argument("--out", default="out/demo", help="folder for the plot and snapshot")

@@ -1,0 +1,192 @@
+"""`lms train`: a real training loop over a zoo model, with or without LMS or a peer method.
+
+Methods: ``none`` (plain), ``lms`` (this library, tuned to the budget), ``save_on_cpu``
+(`torch.autograd.graph.save_on_cpu`), ``checkpoint`` (non-reentrant activation checkpointing of
+every block). Memory is the device's peak allocation on a GPU, or the growth of resident memory
+over a step on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+from lms._units import format_bytes
+from lms.bench.rss import PeakRSS
+from lms.runtime import LMS
+from lms.zoo import ZooModel, zoo_model
+
+__all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks"]
+
+log = logging.getLogger("lms.train")
+METHODS = ("none", "lms", "save_on_cpu", "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """Measured figures of a training run (steady state: the first step is left out)."""
+
+    model: str
+    method: str
+    size: int
+    batch_size: int
+    steps: int
+    step_s: float
+    samples_per_s: float
+    elements_per_s: float
+    unit: str
+    peak_bytes: int
+    """Peak device allocation (GPU) or peak RSS growth over a step (CPU)."""
+    device: str
+    loss: float
+    lms_stats: dict[str, float] | None
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_blocks(model: torch.nn.Module) -> torch.nn.Module:
+    """Wrap each block (a child with children and parameters) in activation checkpointing."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, torch.nn.ModuleList):
+            for index, item in enumerate(child):
+                child[index] = _Checkpointed(item)
+        elif any(True for _ in child.children()) and any(True for _ in child.parameters()):
+            setattr(model, name, _Checkpointed(child))
+    return model
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def train(
+    model_name: str,
+    *,
+    size: int,
+    batch_size: int = 1,
+    steps: int = 3,
+    method: str = "lms",
+    budget: int | str | None = None,
+    tier: str = "auto",
+    amp: bool = False,
+    device: str | None = None,
+    data: Sequence[torch.Tensor] | None = None,
+    progress: bool = True,
+) -> TrainResult:
+    """Train ``steps`` steps of a zoo model and measure them.
+
+    Raises:
+        PlanInfeasibleError: with method "lms", before training, when the budget cannot fit.
+    """
+    if method not in METHODS:
+        raise ValueError(f"lms: method={method!r} is not one of {', '.join(METHODS)}")
+    entry: ZooModel = zoo_model(model_name)
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = target.type == "cuda"
+    torch.manual_seed(0)
+    model = entry.build().to(target)
+    fmt = torch.channels_last if entry.unit == "pixels" else None
+    if fmt is not None:
+        model = model.to(memory_format=fmt)
+    if method == "checkpoint":
+        model = checkpoint_blocks(model)
+    batch = list(data) if data is not None else list(entry.make_batch(size, batch_size))
+    batch = [t.to(target) for t in batch]
+    if fmt is not None:
+        batch[0] = batch[0].contiguous(memory_format=fmt)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    assert entry.step_fn is not None
+    step_fn = entry.step_fn
+    autocast = torch.bfloat16 if amp else None
+    offload: LMS | None = None
+    if method == "lms":
+        offload = LMS(budget=budget, tier=tier)
+        if budget is not None:
+            offload.tune(model, batch, step_fn, autocast=autocast)
+
+    def context() -> Any:
+        if method == "lms":
+            return offload
+        if method == "save_on_cpu":
+            return torch.autograd.graph.save_on_cpu(pin_memory=cuda)
+        return _nothing()
+
+    times: list[float] = []
+    peaks: list[int] = []
+    loss = torch.zeros(())
+    for _ in tqdm(range(steps), desc=f"{model_name} {size} {method}", disable=not progress):
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(target)
+            torch.cuda.reset_peak_memory_stats(target)
+        with PeakRSS() as rss:
+            start = time.perf_counter()
+            amp_context = torch.autocast(target.type, dtype=autocast) if autocast else _nothing()
+            with context(), amp_context:
+                loss = step_fn(model, batch)
+            optimizer.step()
+            if cuda:
+                torch.cuda.synchronize(target)
+            times.append(time.perf_counter() - start)
+        peaks.append(torch.cuda.max_memory_allocated(target) if cuda else rss.growth_bytes)
+    steady = times[1:] or times
+    step_s = sum(steady) / len(steady)
+    result = TrainResult(
+        model=model_name,
+        method=method,
+        size=size,
+        batch_size=len(batch[0]),
+        steps=steps,
+        step_s=step_s,
+        samples_per_s=len(batch[0]) / step_s,
+        elements_per_s=len(batch[0]) * entry.elements(size) / step_s,
+        unit=entry.unit,
+        peak_bytes=max(peaks[1:] or peaks),
+        device=torch.cuda.get_device_name(target) if cuda else "cpu",
+        loss=float(loss.detach().float()),
+        lms_stats=offload.stats.as_dict() if offload is not None else None,
+    )
+    if offload is not None:
+        offload.close()
+    log.info(
+        "[LMS] %s %dpx batch %d, %s: %.3f s/step, %.2f samples/s, %.3f M%s/s, peak %s%s",
+        model_name,
+        size,
+        result.batch_size,
+        method,
+        step_s,
+        result.samples_per_s,
+        result.elements_per_s / 1e6,
+        entry.unit,
+        format_bytes(result.peak_bytes),
+        "" if cuda else " (RSS growth)",
+    )
+    return result
+
+
+def load_images(folder: str, size: int, batch_size: int) -> list[torch.Tensor]:
+    """One batch from a folder of images (class per subfolder), resized to ``size``."""
+    from torchvision import datasets, transforms
+
+    dataset = datasets.ImageFolder(
+        folder, transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor()])
+    )
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
+    images, labels = next(iter(loader))
+    return [images, labels]

@@ -8,7 +8,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -26,6 +27,17 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
 
 
+def _write(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[str], None]) -> None:
+    """Write ``--json`` and ``--plot`` where asked."""
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2)
+        log.info("[LMS] wrote %s", args.json)
+    if args.plot:
+        plot(args.plot)
+        log.info("[LMS] wrote %s", args.plot)
+
+
 def _analyze(args: argparse.Namespace) -> int:
     from lms.analysis import analyze
     from lms.zoo import zoo_model
@@ -40,13 +52,7 @@ def _analyze(args: argparse.Namespace) -> int:
         autocast=torch.bfloat16 if args.amp else None,
         name=f"{args.model} {args.image_size}px batch {args.batch_size}",
     )
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report.as_dict(), out, indent=2)
-        log.info("[LMS] wrote %s", args.json)
-    if args.plot:
-        report.plot(args.plot)
-        log.info("[LMS] wrote %s", args.plot)
+    _write(args, report.as_dict(), report.plot)
     if args.snapshot:
         report.save_snapshot(args.snapshot)
         log.info("[LMS] wrote %s (open it at pytorch.org/memory_viz)", args.snapshot)
@@ -54,7 +60,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from lms.sweep import plot_sweep, sweep, write_json
+    from lms.sweep import plot_sweep, sweep
 
     result = sweep(
         args.model,
@@ -66,12 +72,7 @@ def _sweep(args: argparse.Namespace) -> int:
         amp=args.amp,
         max_size=args.max_size,
     )
-    if args.json:
-        write_json(result, args.json)
-        log.info("[LMS] wrote %s", args.json)
-    if args.plot:
-        plot_sweep(result, args.plot)
-        log.info("[LMS] wrote %s", args.plot)
+    _write(args, result, lambda path: plot_sweep(result, path))
     return 0
 
 
@@ -116,13 +117,7 @@ def _bench(args: argparse.Namespace) -> int:
     )
     for method, size in result["largest_size"].items():
         log.info("[LMS] largest size reached by %s: %s", method, size)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
-        log.info("[LMS] wrote %s", args.json)
-    if args.plot:
-        plot_bench(result, args.plot)
-        log.info("[LMS] wrote %s", args.plot)
+    _write(args, result, lambda path: plot_bench(result, path))
     return 0
 
 

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from lms._units import format_bytes
-from lms.analysis import analyze, device_spec
+from lms.analysis import device_spec, report_for, simulate, trace_step
 from lms.bench.rss import PeakRSS
 from lms.runtime import LMS
 from lms.zoo import zoo_model
@@ -38,29 +38,23 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     entry = zoo_model(MODEL)
     spec = device_spec("h100" if cuda else "cpu")
 
-    # 1. Analyze with fake tensors: the plain peak sets the budget.
-    probe = analyze(
+    # 1. Trace with fake tensors: the plain peak sets the budget; then plan for it.
+    trace = trace_step(
         entry.build,
         lambda: entry.make_batch(size, batch),
         entry.step_fn,
-        device_spec=spec,
+        device=device,
         name=f"{MODEL} {size}px batch {batch}",
     )
-    budget = int(probe.plain.peak_tensor_bytes * BUDGET_FRACTION)
+    plain_peak = simulate(trace, None, spec).peak_tensor_bytes
+    budget = int(plain_peak * BUDGET_FRACTION)
     log.info(
         "[LMS] Demo budget: %s (%.0f%% of the step's %s of tensors)",
         format_bytes(budget),
         100 * BUDGET_FRACTION,
-        format_bytes(probe.plain.peak_tensor_bytes),
+        format_bytes(plain_peak),
     )
-    spec = spec.with_memory(budget + spec.workspace_bytes)
-    report = analyze(
-        entry.build,
-        lambda: entry.make_batch(size, batch),
-        entry.step_fn,
-        device_spec=spec,
-        name=f"{MODEL} {size}px batch {batch}",
-    )
+    report = report_for(trace, spec.with_memory(budget + spec.workspace_bytes), budget)
     os.makedirs(out_dir, exist_ok=True)
     plot_path = os.path.join(out_dir, "memory.png")
     snapshot_path = os.path.join(out_dir, "memory_snapshot.pickle")
@@ -76,7 +70,8 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     images = images.to(device).contiguous(memory_format=fmt)
     labels = labels.to(device)
     assert entry.step_fn is not None
-    offload = LMS(budget=budget)
+    plan = report.plan if report.plan is not None and report.plan.source != "infeasible" else None
+    offload = LMS(budget=budget, plan=plan)
     times, peaks = [], []
     for _ in tqdm(range(steps), desc="training with LMS", unit="step"):
         optimizer.zero_grad(set_to_none=True)
@@ -100,7 +95,6 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     pixels = batch * entry.elements(size)
     measured = max(peaks[1:] or peaks)
     simulated = report.planned or report.plain
-    trace = report.trace
     # What the step adds on top of parameters, buffers and inputs (on the CPU: RSS growth).
     before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
     predicted = simulated.peak_tensor_bytes - (0 if cuda else before)
@@ -113,7 +107,7 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
         f"[LMS] Measured peak {'device memory' if cuda else 'RSS growth'}: "
         f"{format_bytes(measured)} against a budget of {format_bytes(budget)}; simulated "
         f"{format_bytes(predicted)} ({measured / predicted - 1:+.1%}); without LMS "
-        f"{format_bytes(probe.plain.peak_tensor_bytes)}",
+        f"{format_bytes(plain_peak)}",
         f"[LMS] Offloaded {format_bytes(stats.offloaded_bytes / max(stats.steps, 1))} per step "
         f"({stats.offloaded_tensors // max(stats.steps, 1)} storages) to "
         f"{'host memory' if cuda else 'spill files'}; waited "
@@ -126,6 +120,6 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
         "budget_bytes": budget,
         "measured_peak_bytes": measured,
         "predicted_peak_bytes": predicted,
-        "plain_peak_bytes": probe.plain.peak_tensor_bytes,
+        "plain_peak_bytes": plain_peak,
         "step_s": step_s,
     }

@@ -4,7 +4,6 @@ LMS, then with it; predicted data rate (pixels/s or voxels/s) at every size."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -167,9 +166,3 @@ def plot_sweep(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def write_json(result: dict[str, Any], path: str) -> None:
-    """Write the sweep result as JSON."""
-    with open(path, "w") as handle:
-        json.dump(result, handle, indent=2)

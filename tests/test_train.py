@@ -12,8 +12,15 @@ from lms.zoo import ZOO
 
 def test_every_method_trains_and_measures():
     results = {
-        method: train("resnet50", size=64, batch_size=2, steps=2, method=method,
-                      budget="2GiB" if method == "lms" else None, progress=False)
+        method: train(
+            "resnet50",
+            size=64,
+            batch_size=2,
+            steps=2,
+            method=method,
+            budget="2GiB" if method == "lms" else None,
+            progress=False,
+        )
         for method in ("none", "lms", "save_on_cpu", "checkpoint")
     }
     for result in results.values():
@@ -36,8 +43,11 @@ def test_summary_finds_largest_sizes_and_slowdowns():
         return {"size": size, "method": method, "step_s": step_s, "fits": fits}
 
     points = [
-        point(1, "none", 1.0), point(1, "lms", 1.1), point(2, "none", 2.0, fits=False),
-        point(2, "lms", 2.5), point(3, "lms", 4.0, fits=False),
+        point(1, "none", 1.0),
+        point(1, "lms", 1.1),
+        point(2, "none", 2.0, fits=False),
+        point(2, "lms", 2.5),
+        point(3, "lms", 4.0, fits=False),
     ]
     result = summarize("m", points, 100, ["none", "lms"])
     assert result["largest_size"] == {"none": 1, "lms": 2}
@@ -46,15 +56,44 @@ def test_summary_finds_largest_sizes_and_slowdowns():
 
 def test_cli_train_writes_json(tmp_path):
     out = tmp_path / "train.json"
-    assert main(["-q", "train", "--model", "unet3d", "--image-size", "32", "--steps", "2",
-                 "--budget", "2GiB", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "train",
+                "--model",
+                "unet3d",
+                "--image-size",
+                "32",
+                "--steps",
+                "2",
+                "--budget",
+                "2GiB",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["unit"] == "voxels" and result["method"] == "lms"
     assert result["elements_per_s"] == result["samples_per_s"] * 32**3
 
 
 def test_cli_train_infeasible_budget_fails_before_training(capsys):
-    code = main(["-q", "train", "--model", "resnet50", "--image-size", "128", "--steps", "2",
-                 "--budget", "1MiB"])
+    code = main(
+        [
+            "-q",
+            "train",
+            "--model",
+            "resnet50",
+            "--image-size",
+            "128",
+            "--steps",
+            "2",
+            "--budget",
+            "1MiB",
+        ]
+    )
     assert code == 2
     assert "raise the budget" in capsys.readouterr().err

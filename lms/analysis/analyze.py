@@ -164,7 +164,29 @@ def analyze(
         name=name,
     )
     trace_seconds = time.perf_counter() - started
-    half = autocast in (torch.float16, torch.bfloat16)
+    return report_for(
+        trace,
+        spec,
+        budget,
+        planner=planner,
+        half=autocast in (torch.float16, torch.bfloat16),
+        trace_seconds=trace_seconds,
+    )
+
+
+def report_for(
+    trace: Trace,
+    spec: DeviceSpec,
+    budget: int,
+    *,
+    planner: Callable[[Trace, DeviceSpec, int], Plan] | str | None = None,
+    half: bool = False,
+    trace_seconds: float = 0.0,
+) -> Report:
+    """Simulate a traced step without LMS and, when it does not fit, plan and simulate with it.
+
+    Logs the `[LMS]` lines and returns the `Report`; ``planner`` is as in `analyze`.
+    """
     plain = simulate(trace, None, spec, half=half)
     plan = planned = None
     started = time.perf_counter()

@@ -174,7 +174,7 @@ def test_ctrl_c_leaves_no_spill_files(tmp_path):
     spill.mkdir()
     script = textwrap.dedent(
         f"""
-        import os, signal, sys, torch, lms
+        import os, signal, sys, time, torch, lms
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(64)])
         x = torch.randn(512, 512)
@@ -187,6 +187,7 @@ def test_ctrl_c_leaves_no_spill_files(tmp_path):
             if calls == 40:
                 print("files", len(os.listdir({str(spill)!r})), flush=True)
                 os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the handler raises KeyboardInterrupt here, in Python code
 
         for layer in model:
             layer.register_forward_pre_hook(interrupt)

@@ -28,25 +28,30 @@ def plot_memory(
     fig, (top, bottom) = plt.subplots(
         2, 1, figsize=(10, 6.5), sharex=False, gridspec_kw={"height_ratios": [3, 1.4]}
     )
-    top.step(
-        [t * 1e3 for t in plain.timeline_s],
-        [b / GiB for b in plain.device_bytes],
-        where="post",
-        label=f"without LMS (peak {plain.peak_bytes / GiB:.1f} GiB)",
+
+    def draw(axes, result: SimResult, values: tuple[int, ...], **style) -> None:  # type: ignore[no-untyped-def]
+        ms = [t * 1e3 for t in result.timeline_s]
+        axes.step(ms, [b / GiB for b in values], where="post", **style)
+
+    draw(
+        top,
+        plain,
+        plain.device_bytes,
         color="tab:red",
+        label=f"without LMS (peak {plain.peak_bytes / GiB:.1f} GiB)",
     )
     if planned is not None:
-        top.step(
-            [t * 1e3 for t in planned.timeline_s],
-            [b / GiB for b in planned.device_bytes],
-            where="post",
-            label=f"with LMS (peak {planned.peak_bytes / GiB:.1f} GiB)",
+        draw(
+            top,
+            planned,
+            planned.device_bytes,
             color="tab:blue",
+            label=f"with LMS (peak {planned.peak_bytes / GiB:.1f} GiB)",
         )
-        bottom.step(
-            [t * 1e3 for t in planned.timeline_s],
-            [b / GiB for b in planned.host_bytes],
-            where="post",
+        draw(
+            bottom,
+            planned,
+            planned.host_bytes,
             color="tab:green",
             label="offloaded data held on host / disk",
         )

@@ -21,6 +21,9 @@ class Plan:
     """Ordinals to move out of device memory."""
     num_entries: int
     """How many offloadable storages the step saves."""
+    refetch: tuple[int, ...] = ()
+    """Offloaded ordinals read back for each use in backward: the device copy is dropped between
+    uses instead of held (TFLMS's swap-in per consumer)."""
     swapin_ahead: int = 2
     """Offloaded tensors brought back ahead of backward's use."""
     sync_mode: int = 0
@@ -40,6 +43,12 @@ class Plan:
             raise ValueError(
                 f"lms: Plan.offload names ordinals {bad[:5]} outside 0..{self.num_entries - 1}"
             )
+        stray = sorted(set(self.refetch) - set(self.offload))
+        if stray:
+            raise ValueError(
+                f"lms: Plan.refetch names ordinals {stray[:5]} that Plan.offload does not; "
+                "only offloaded tensors can be read back per use"
+            )
 
     def to_json(self) -> str:
         """The plan as JSON text."""
@@ -50,6 +59,7 @@ class Plan:
         """A plan from `to_json` text."""
         data: dict[str, Any] = json.loads(text)
         data["offload"] = tuple(data["offload"])
+        data["refetch"] = tuple(data.get("refetch", ()))
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -122,6 +122,16 @@ class Trace:
                 uses.setdefault(event.storage, event.op)
         return uses
 
+    def use_ops(self) -> dict[int, list[int]]:
+        """For each saved storage, the distinct op indices at which backward reads it, in order."""
+        uses: dict[int, list[int]] = {}
+        for event in self.events:
+            if event.kind == "use":
+                ops = uses.setdefault(event.storage, [])
+                if not ops or ops[-1] != event.op:
+                    ops.append(event.op)
+        return uses
+
     def fingerprint(self) -> str:
         """A short hash of the step's shape: op names, sizes and saved-tensor events."""
         digest = hashlib.sha256()

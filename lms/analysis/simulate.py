@@ -137,6 +137,18 @@ def simulate(
     sync_in = plan is not None and plan.sync_mode in (2, 3)
     storage_of = {i: entries[i][0] for i in offload}
     first_use = trace.first_use_op()
+    # Entries read back per use: each later use loads the copy again, on demand.
+    use_ops = trace.use_ops()
+    later_uses = {
+        i: use_ops[storage_of[i]][1:]
+        for i in (plan.refetch if plan is not None else ())
+        if len(use_ops.get(storage_of[i], ())) > 1
+    }
+    reloads_at: dict[int, list[int]] = {}
+    for ordinal, ops in later_uses.items():
+        for op in ops:
+            reloads_at.setdefault(op, []).append(ordinal)
+    reload_start: dict[int, list[float]] = {i: [] for i in later_uses}
 
     # Prefetch triggers: the use of the offloaded entry `ahead` places earlier in use order.
     used = sorted((first_use[storage_of[i]], i) for i in offload if storage_of[i] in first_use)
@@ -207,6 +219,12 @@ def simulate(
             if in_done[ordinal] > now:
                 wait += in_done[ordinal] - now
                 now = in_done[ordinal]
+        for ordinal in reloads_at.get(index, ()):
+            begin = max(now, h2d_free)
+            reload_start[ordinal].append(begin)
+            h2d_free = begin + entries[ordinal][1] / h2d_bw
+            wait += h2d_free - now
+            now = h2d_free
         start[index] = now
         if index < len(trace.ops):
             now += seconds[index]
@@ -236,9 +254,18 @@ def simulate(
         released = max(out_done[moved], op_end(record.last_forward_op))
         intervals.append(Interval(record.id, record.nbytes, begin, released, record.kind))
         if moved in in_issue:
-            intervals.append(
-                Interval(record.id, record.nbytes, in_issue[moved], finish, "reloaded")
-            )
+            # Per use when read back per use: held from each load to the end of that use.
+            uses = later_uses.get(moved, [])
+            starts = [in_issue[moved], *reload_start.get(moved, [])]
+            ends = [
+                *(
+                    op_end(first_use[record.id] if k == 0 else uses[k - 1])
+                    for k in range(len(uses))
+                ),
+                finish,
+            ]
+            for begin_s, end_s_ in zip(starts, ends, strict=True):
+                intervals.append(Interval(record.id, record.nbytes, begin_s, end_s_, "reloaded"))
         host_spans.append((out_start[moved], finish, record.nbytes))
 
     times, device, host, peak_tensor, peak_at = _sweep(intervals, host_spans, spec)

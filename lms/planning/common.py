@@ -44,6 +44,8 @@ class Checker:
     budget_bytes: int
     half: bool = False
     simulations: int = 0
+    refetch: frozenset[int] = frozenset()
+    """Entries read back per use in every plan that offloads them (set by `require_feasible`)."""
 
     def __post_init__(self) -> None:
         self.fingerprint = self.trace.fingerprint()
@@ -52,9 +54,11 @@ class Checker:
     def plan(
         self, offload: Iterable[int], *, ahead: int = 2, sync_mode: int = 0, source: str
     ) -> Plan:
+        chosen = set(offload)
         return Plan(
             fingerprint=self.fingerprint,
-            offload=tuple(sorted(set(offload))),
+            offload=tuple(sorted(chosen)),
+            refetch=tuple(sorted(self.refetch & chosen)),
             num_entries=self.num_entries,
             swapin_ahead=ahead,
             sync_mode=sync_mode,
@@ -77,7 +81,12 @@ class Checker:
         )
 
     def require_feasible(self) -> tuple[Plan, SimResult]:
-        """The smallest-memory plan (everything out, copies waited for); raises if it fails."""
+        """The smallest-memory plan (everything out, copies waited for); raises if it fails.
+
+        When even that does not fit, tensors that backward reads at several places are read back
+        for each use rather than held between uses; the fewest such that fit are kept in
+        `refetch` for the plans that follow.
+        """
         everything = range(self.num_entries)
         best: tuple[Plan, SimResult] | None = None
         for ahead, sync_mode in ((1, 0), (1, 1), (1, 3)):
@@ -87,11 +96,17 @@ class Checker:
                 best = (plan, result)
             if self.fits(result):
                 return plan, result
+        found = self._fewest_refetches()
+        if found is not None:
+            return found
         assert best is not None
         plan, result = best
         op = self.trace.ops[result.peak_op] if self.trace.ops else None
         largest = self.trace.largest_op
         where = f"{op.name} at {op.module}" if op else "the step"
+        if self.refetch:
+            plan = self.plan(everything, ahead=1, sync_mode=3, source="minimum")
+            result = self.run(plan)
         raise PlanInfeasibleError(
             f"lms: budget {format_bytes(self.budget_bytes)} is below the "
             f"{format_bytes(result.peak_bytes)} that the step needs even with every saved "
@@ -102,3 +117,42 @@ class Checker:
             op_bytes=largest.working_set_bytes,
             min_budget_bytes=result.peak_bytes,
         )
+
+    def _fewest_refetches(self) -> tuple[Plan, SimResult] | None:
+        """Everything out and read back per use, then back to holding between uses, smallest gap
+        first, wherever the step still fits; None when even reading all back per use does not."""
+        use_ops = self.trace.use_ops()
+        entries = self.trace.entries()
+        many = [i for i, (storage, _, _) in enumerate(entries) if len(use_ops.get(storage, ())) > 1]
+        if not many:
+            return None
+        self.refetch = frozenset(many)
+        everything = range(self.num_entries)
+
+        def attempt() -> tuple[Plan, SimResult] | None:
+            plan = self.plan(everything, ahead=1, sync_mode=3, source="minimum")
+            result = self.run(plan)
+            return (plan, result) if self.fits(result) else None
+
+        found = attempt()
+        if found is None:
+            return None
+
+        def gap(ordinal: int) -> int:
+            ops = use_ops[entries[ordinal][0]]
+            return ops[-1] - ops[0]
+
+        for ordinal in sorted(many, key=gap):  # small gaps save least: try dropping them first
+            self.refetch = self.refetch - {ordinal}
+            trial = attempt()
+            if trial is None:
+                self.refetch = self.refetch | {ordinal}
+            else:
+                found = trial
+        log.info(
+            "[LMS] [Planner] %d of %d tensors read at several places in backward are read back"
+            " for each use",
+            len(self.refetch),
+            len(many),
+        )
+        return found

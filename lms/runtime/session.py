@@ -81,6 +81,7 @@ class _Step:
         self.resident_bytes = 0
         self.largest_bytes = max(record.nbytes, default=0) if record else 0
         self.offload_set: set[int] | None = None
+        self.refetch_set: set[int] | None = None
         self.use_queue: list[Entry] | None = None
         self.use_pos: dict[int, int] = {}
         self.save_level: dict[int, int] = {}
@@ -430,8 +431,9 @@ class LMS:
                 step.first_use.setdefault(entry.ordinal, step.level)
                 self._prefetch_after(step, entry)
             entry.uses += 1
-            # A storage saved as several views stays loaded until each view was read once.
-            hold = entry.uses % entry.handles != 0
+            # A storage saved as several views stays loaded until each view was read once,
+            # unless the plan reads it back for each use.
+            hold = entry.uses % entry.handles != 0 and not self._refetches(step, entry)
             if entry.offloaded:
                 self._mark_back(entry)
             storage, waited = self._offloader.fetch(entry, hold=hold)
@@ -439,6 +441,16 @@ class LMS:
             self.stats.reloaded_bytes = self._offloader.loaded_bytes
         out = torch.empty(0, dtype=packed.dtype, device=entry.device)
         return out.set_(storage, packed.offset, packed.size, packed.stride)
+
+    def _refetches(self, step: _Step | None, entry: Entry) -> bool:
+        """Whether the plan drops ``entry``'s device copy between uses and reads it again."""
+        if self.plan is None or not self.plan.refetch or step is None or step.diverged:
+            return False
+        if not step.owns(entry):
+            return False
+        if step.refetch_set is None:
+            step.refetch_set = set(self.plan.refetch)
+        return entry.ordinal in step.refetch_set
 
     def _use_queue(self, step: _Step) -> list[Entry]:
         if step.use_queue is None:

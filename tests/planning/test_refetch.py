@@ -1,0 +1,101 @@
+"""Reading a tensor back for each use in backward instead of holding it between uses."""
+
+import torch
+import torch.nn as nn
+
+import lms
+from lms.analysis import simulate, trace_step
+from lms.plan import Plan
+from lms.planning import plan_greedy
+from lms.planning.common import Checker
+from tests.conftest import assert_bitwise, run_step
+from tests.planning.test_planners import small_spec
+
+
+class Reuse(nn.Module):
+    """``h`` is read by the product's backward first and by the chain's first layer much later."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(256, 256)
+        self.chain = nn.Sequential(
+            nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256)
+        )
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return h * self.chain(h)
+
+
+def _step(model, batch):
+    loss = model(*batch).float().square().mean()
+    loss.backward()
+    return loss
+
+
+def _trace():
+    torch.manual_seed(0)
+    return trace_step(Reuse(), [torch.randn(2048, 256)], _step, device="cpu", min_offload_bytes=0)
+
+
+def _plans(trace):
+    entries = trace.entries()
+    uses = trace.use_ops()
+    many = tuple(i for i, (s, _, _) in enumerate(entries) if len(uses.get(s, ())) > 1)
+    base = dict(
+        fingerprint=trace.fingerprint(),
+        offload=tuple(range(len(entries))),
+        num_entries=len(entries),
+        swapin_ahead=1,
+        sync_mode=3,
+    )
+    return Plan(**base), Plan(**base, refetch=many), many
+
+
+def test_reading_back_per_use_lowers_the_simulated_peak_and_costs_a_copy():
+    trace = _trace()
+    held, per_use, many = _plans(trace)
+    assert many, "h is read at two places in backward"
+    spec = small_spec()
+    a, b = simulate(trace, held, spec), simulate(trace, per_use, spec)
+    assert b.peak_bytes < a.peak_bytes
+    assert b.wait_s > a.wait_s  # the second read is a copy backward waits for
+
+
+def test_planner_reads_back_per_use_only_when_holding_cannot_fit():
+    trace = _trace()
+    spec = small_spec()
+    held, per_use, _ = _plans(trace)
+    low = simulate(trace, per_use, spec).peak_bytes
+    assert low < simulate(trace, held, spec).peak_bytes
+    plan = plan_greedy(trace, spec, low)
+    assert plan.refetch and simulate(trace, plan, spec).peak_bytes <= low
+    roomy = plan_greedy(trace, spec, simulate(trace, held, spec).peak_bytes)
+    assert not roomy.refetch
+    checker = Checker(trace, spec, low - 1)
+    try:
+        checker.require_feasible()
+    except lms.errors.PlanInfeasibleError as error:
+        assert error.min_budget_bytes == low
+    else:
+        raise AssertionError("a budget below the per-use minimum must be infeasible")
+
+
+def test_runtime_reads_back_per_use_bitwise(spill_dir):
+    trace = _trace()
+    _, plan, many = _plans(trace)
+    torch.manual_seed(0)
+    model = Reuse()
+    inputs = (torch.randn(2048, 256),)
+    ref = run_step(model, inputs)
+    offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
+    entries = trace.entries()
+    uses = trace.use_ops()
+    expected = sum(size for _, size, _ in entries) + sum(
+        entries[i][1] * (len(uses[entries[i][0]]) - 1) for i in many
+    )
+    for _ in range(2):
+        before = offload.stats.reloaded_bytes
+        assert_bitwise(ref, run_step(model, inputs, offload))
+        assert offload.stats.reloaded_bytes - before == expected
+    offload.close()

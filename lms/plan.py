@@ -24,6 +24,8 @@ class Plan:
     refetch: tuple[int, ...] = ()
     """Offloaded ordinals read back for each use in backward: the device copy is dropped between
     uses instead of held (TFLMS's swap-in per consumer)."""
+    recompute: tuple[int, ...] = ()
+    """Ordinals that backward recomputes from their forward ops instead of storing."""
     swapin_ahead: int = 2
     """Offloaded tensors brought back ahead of backward's use."""
     sync_mode: int = 0
@@ -43,6 +45,12 @@ class Plan:
             raise ValueError(
                 f"lms: Plan.offload names ordinals {bad[:5]} outside 0..{self.num_entries - 1}"
             )
+        both = sorted(set(self.recompute) & set(self.offload))
+        if both or any(not 0 <= i < self.num_entries for i in self.recompute):
+            raise ValueError(
+                f"lms: Plan.recompute {list(self.recompute)[:5]} must name ordinals in "
+                f"0..{self.num_entries - 1} that Plan.offload does not (both: {both[:5]})"
+            )
         stray = sorted(set(self.refetch) - set(self.offload))
         if stray:
             raise ValueError(
@@ -60,6 +68,7 @@ class Plan:
         data: dict[str, Any] = json.loads(text)
         data["offload"] = tuple(data["offload"])
         data["refetch"] = tuple(data.get("refetch", ()))
+        data["recompute"] = tuple(data.get("recompute", ()))
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> None:

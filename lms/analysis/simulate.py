@@ -14,11 +14,12 @@ import dataclasses
 from collections.abc import Iterable
 
 from lms.analysis.devices import DeviceSpec
+from lms.analysis.recompute import recipes
 from lms.analysis.records import Trace
 from lms.plan import Plan
 from lms.runtime import policy
 
-__all__ = ["SimResult", "simulate", "runtime_plan", "Interval"]
+__all__ = ["SimResult", "simulate", "runtime_plan", "Interval", "op_seconds"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,10 @@ class SimResult:
     host_bytes: tuple[int, ...]
     """Offloaded bytes held on the host (or disk) from each of those times on."""
     intervals: tuple[Interval, ...]
+    recomputed_bytes: int = 0
+    """Bytes of saved storages that backward recomputes instead of storing."""
+    recompute_s: float = 0.0
+    """Time spent recomputing them."""
 
     @property
     def overhead(self) -> float:
@@ -74,7 +79,8 @@ def _round(nbytes: int, block: int) -> int:
     return -(-nbytes // block) * block if nbytes else 0
 
 
-def _op_seconds(trace: Trace, spec: DeviceSpec, half: bool) -> list[float]:
+def op_seconds(trace: Trace, spec: DeviceSpec, half: bool) -> list[float]:
+    """Predicted seconds of each op of ``trace`` on ``spec``."""
     rate = spec.peak_flops_half if half else spec.peak_flops
     bandwidth = spec.memory_bandwidth_gbps * 1e9
     return [
@@ -128,7 +134,7 @@ def simulate(
         spec: the device and its link.
         half: price matmuls and convolutions at the fp16/bf16 rate (autocast runs).
     """
-    seconds = _op_seconds(trace, spec, half)
+    seconds = op_seconds(trace, spec, half)
     base_step_s = sum(seconds)
     entries = trace.entries()
     offload = set(plan.offload) if plan is not None else set()
@@ -149,6 +155,24 @@ def simulate(
         for op in ops:
             reloads_at.setdefault(op, []).append(ordinal)
     reload_start: dict[int, list[float]] = {i: [] for i in later_uses}
+    # Entries recomputed from their recipes just before their first use.
+    recompute = set(plan.recompute) if plan is not None else set()
+    chosen = recipes(trace) if recompute else {}
+    unknown = sorted(recompute - set(chosen))
+    if unknown or recompute & offload:
+        raise ValueError(
+            f"lms: plan recomputes ordinals {unknown or sorted(recompute & offload)} that have no"
+            " recipe or are also offloaded"
+        )
+    recompute_at: dict[int, list[int]] = {}
+    for ordinal in recompute:
+        if any(i in recompute for i in chosen[ordinal].inputs):
+            raise ValueError(f"lms: plan recomputes ordinal {ordinal} from a recomputed one")
+        use_op = first_use.get(entries[ordinal][0])
+        if use_op is not None:
+            recompute_at.setdefault(use_op, []).append(ordinal)
+    recompute_start: dict[int, float] = {}
+    recompute_s = 0.0
 
     # Prefetch triggers: the use of the offloaded entry `ahead` places earlier in use order.
     used = sorted((first_use[storage_of[i]], i) for i in offload if storage_of[i] in first_use)
@@ -186,12 +210,20 @@ def simulate(
     )
     kept_at: dict[int, int] = {}
     for ordinal, (_, size, save_op) in enumerate(entries):
-        if ordinal not in offload:
+        if ordinal not in offload and ordinal not in recompute:
             kept_at[save_op] = kept_at.get(save_op, 0) + size
     kept = 0
     pending: list[tuple[float, int]] = []
     d2h_free = h2d_free = 0.0
     now = wait = 0.0
+
+    def load(ordinal: int) -> None:
+        """Start bringing ``ordinal`` back now, after copies in already queued."""
+        nonlocal h2d_free
+        in_issue[ordinal] = now
+        begin = max(now, h2d_free, out_done.get(ordinal, 0.0))
+        h2d_free = in_done[ordinal] = begin + entries[ordinal][1] / h2d_bw
+
     for index in range(len(trace.ops) + 1):
         if index < trace.backward_start_op:
             kept += kept_at.get(index, 0)
@@ -212,9 +244,21 @@ def simulate(
                 wait += max(done - now, 0.0)
                 now = max(now, done)
         for ordinal in issues_at.get(index, ()):
-            in_issue[ordinal] = now
-            begin = max(now, h2d_free, out_done.get(ordinal, 0.0))
-            h2d_free = in_done[ordinal] = begin + entries[ordinal][1] / h2d_bw
+            if ordinal not in in_issue:
+                load(ordinal)
+        for ordinal in recompute_at.get(index, ()):
+            # Its inputs must be on the device: load offloaded ones now if not on their way.
+            for source in chosen[ordinal].inputs:
+                if source in offload:
+                    if source not in in_issue:
+                        load(source)
+                    if in_done[source] > now:
+                        wait += in_done[source] - now
+                        now = in_done[source]
+            recompute_start[ordinal] = now
+            cost = sum(seconds[k] for k in chosen[ordinal].ops)
+            recompute_s += cost
+            now += cost
         for ordinal in needs_at.get(index, ()):
             if in_done[ordinal] > now:
                 wait += in_done[ordinal] - now
@@ -240,9 +284,24 @@ def simulate(
     intervals: list[Interval] = []
     host_spans: list[tuple[float, float, int]] = []
     offloaded_storages = {storage_of[i]: i for i in offload}
+    recomputed_storages = {entries[i][0]: i for i in recompute}
     for record in trace.storages:
         begin = 0.0 if record.alloc_op < 0 else start[record.alloc_op]
         finish = op_end(record.free_op)
+        remade = recomputed_storages.get(record.id)
+        if remade is not None:
+            intervals.append(
+                Interval(
+                    record.id, record.nbytes, begin, op_end(record.last_forward_op), record.kind
+                )
+            )
+            if remade in recompute_start:
+                intervals.append(
+                    Interval(
+                        record.id, record.nbytes, recompute_start[remade], finish, "recomputed"
+                    )
+                )
+            continue
         moved = offloaded_storages.get(record.id)
         if moved is not None and record.alloc_op < 0:
             # Held outside autograd since before the step (an input): the copy frees nothing.
@@ -287,6 +346,8 @@ def simulate(
         device_bytes=tuple(device),
         host_bytes=tuple(host),
         intervals=tuple(intervals),
+        recomputed_bytes=sum(entries[i][1] for i in recompute),
+        recompute_s=recompute_s,
     )
 
 

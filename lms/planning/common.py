@@ -52,13 +52,21 @@ class Checker:
         self.num_entries = len(self.trace.entries())
 
     def plan(
-        self, offload: Iterable[int], *, ahead: int = 2, sync_mode: int = 0, source: str
+        self,
+        offload: Iterable[int],
+        *,
+        ahead: int = 2,
+        sync_mode: int = 0,
+        source: str,
+        recompute: Iterable[int] = (),
     ) -> Plan:
-        chosen = set(offload)
+        remade = set(recompute)
+        chosen = set(offload) - remade
         return Plan(
             fingerprint=self.fingerprint,
             offload=tuple(sorted(chosen)),
             refetch=tuple(sorted(self.refetch & chosen)),
+            recompute=tuple(sorted(remade)),
             num_entries=self.num_entries,
             swapin_ahead=ahead,
             sync_mode=sync_mode,
@@ -101,12 +109,12 @@ class Checker:
             return found
         assert best is not None
         plan, result = best
-        op = self.trace.ops[result.peak_op] if self.trace.ops else None
-        largest = self.trace.largest_op
-        where = f"{op.name} at {op.module}" if op else "the step"
         if self.refetch:
             plan = self.plan(everything, ahead=1, sync_mode=3, source="minimum")
             result = self.run(plan)
+        op = self.trace.ops[result.peak_op] if self.trace.ops else None
+        largest = self.trace.largest_op
+        where = f"{op.name} at {op.module}" if op else "the step"
         raise PlanInfeasibleError(
             f"lms: budget {format_bytes(self.budget_bytes)} is below the "
             f"{format_bytes(result.peak_bytes)} that the step needs even with every saved "

@@ -4,7 +4,9 @@ Start from the smallest-memory plan (every saved tensor out). Entries are ranked
 would sit on the device between their save and their first use in backward, times their bytes:
 those that cost least device memory per transfer avoided come first. A binary search finds the
 longest run of that ranking that can stay on the device, a greedy pass tries the rest one by one,
-and the prefetch distance is chosen last for the shortest predicted step. Every step checks the
+and the prefetch distance is chosen last for the shortest predicted step. Last, offloaded tensors
+that cheap ops made (BatchNorm, activations, elementwise arithmetic) are recomputed in backward
+instead of moved wherever that is predicted faster. Every step checks the
 candidate with the simulator, so the returned plan fits by construction.
 """
 
@@ -14,7 +16,9 @@ import logging
 import time
 
 from lms.analysis.devices import DeviceSpec
+from lms.analysis.recompute import recipes
 from lms.analysis.records import Trace
+from lms.analysis.simulate import op_seconds
 from lms.plan import Plan
 from lms.planning.common import Checker
 
@@ -55,10 +59,20 @@ def plan_greedy(
     ranking = sorted(everything, key=pressure)
     deadline = time.perf_counter() + time_limit_s
 
+    prefer = _cheaper_to_recompute(checker, half)
+
+    remake = set[int]()
+
     def evaluate(kept: set[int], ahead: int, sync_mode: int) -> float | None:
         """Predicted step time keeping ``kept`` on the device, or None if it does not fit."""
         offload = [i for i in everything if i not in kept]
-        plan = checker.plan(offload, ahead=ahead, sync_mode=sync_mode, source="planner")
+        plan = checker.plan(
+            offload,
+            ahead=ahead,
+            sync_mode=sync_mode,
+            source="planner",
+            recompute=remake.difference(kept),
+        )
         result = checker.run(plan)
         return result.step_s if checker.fits(result) else None
 
@@ -81,14 +95,17 @@ def plan_greedy(
         step_s = evaluate(kept, ahead, sync_mode)
         return (kept, step_s) if step_s is not None else None
 
-    best: tuple[float, set[int], int, int] | None = None
+    # Each variant is searched moving everything that goes, and recomputing what is cheaper.
+    best: tuple[float, set[int], int, int, set[int]] | None = None
     for ahead, sync_mode in VARIANTS:
-        found = search(ahead, sync_mode)
-        if found is not None and (best is None or found[1] < best[0]):
-            best = (found[1], found[0], ahead, sync_mode)
+        for choice in (set(), prefer) if prefer else (set(),):
+            remake = choice
+            found = search(ahead, sync_mode)
+            if found is not None and (best is None or found[1] < best[0]):
+                best = (found[1], found[0], ahead, sync_mode, choice)
     if best is None:
         return checker.finish(minimum_plan, minimum)
-    step_s, kept, ahead, sync_mode = best
+    step_s, kept, ahead, sync_mode, remake = best
     # Swap one kept entry for one offloaded entry while that shortens the step (time-bounded).
     improved = True
     while improved and time.perf_counter() < deadline:
@@ -105,16 +122,90 @@ def plan_greedy(
             if improved:
                 break
     offload = [i for i in everything if i not in kept]
-    plan = checker.plan(offload, ahead=ahead, sync_mode=sync_mode, source="planner")
+    remade, step_s = _recompute_pass(
+        checker, offload, ahead, sync_mode, step_s, deadline, remake.intersection(offload)
+    )
+    # What recomputing freed may let more stay on the device.
+    for ordinal in sorted(set(offload) - remade, key=pressure):
+        if time.perf_counter() > deadline + 2.0:
+            break
+        fewer = [i for i in offload if i != ordinal]
+        result = checker.run(
+            checker.plan(
+                fewer, ahead=ahead, sync_mode=sync_mode, source="planner", recompute=remade
+            )
+        )
+        if checker.fits(result) and result.step_s < step_s * 0.999:
+            offload, step_s = fewer, result.step_s
+            kept.add(ordinal)
+    plan = checker.plan(
+        offload, ahead=ahead, sync_mode=sync_mode, source="planner", recompute=remade
+    )
     result = checker.run(plan)
     log.info(
-        "[LMS] [Planner] keep %d, offload %d of %d saved storages; swapin_ahead %d, "
-        "sync_mode %d; %d simulations",
+        "[LMS] [Planner] keep %d, offload %d, recompute %d of %d saved storages; "
+        "swapin_ahead %d, sync_mode %d; %d simulations",
         len(kept),
-        len(offload),
+        len(plan.offload),
+        len(remade),
         len(entries),
         ahead,
         sync_mode,
         checker.simulations,
     )
     return checker.finish(plan, result)
+
+
+def _recompute_pass(
+    checker: Checker,
+    offload: list[int],
+    ahead: int,
+    sync_mode: int,
+    step_s: float,
+    deadline: float,
+    remade: set[int],
+) -> tuple[set[int], float]:
+    """Starting from ``remade``, recompute instead of moving, largest first, each offloaded
+    tensor that has a recipe where that shortens the predicted step and still fits."""
+    found = recipes(checker.trace)
+    entries = checker.trace.entries()
+    sources = {source for ordinal in remade for source in found[ordinal].inputs}
+    candidates = [i for i in offload if i in found]
+    for ordinal in sorted(candidates, key=lambda i: -entries[i][1]):
+        if time.perf_counter() > deadline + 2.0:
+            break
+        inputs = set(found[ordinal].inputs)
+        if ordinal in remade or ordinal in sources or inputs & remade:
+            continue
+        trial = remade | {ordinal}
+        plan = checker.plan(
+            offload, ahead=ahead, sync_mode=sync_mode, source="planner", recompute=trial
+        )
+        result = checker.run(plan)
+        if checker.fits(result) and result.step_s < step_s * 0.999:
+            remade, step_s = trial, result.step_s
+            sources |= inputs
+    return remade, step_s
+
+
+def _cheaper_to_recompute(checker: Checker, half: bool) -> set[int]:
+    """Tensors with a recipe that runs faster than their copy over the link, largest first,
+    none of them an input of another."""
+    found = recipes(checker.trace)
+    if not found:
+        return set()
+    seconds = op_seconds(checker.trace, checker.spec, half)
+    entries = checker.trace.entries()
+    link = min(checker.spec.d2h_gbps, checker.spec.h2d_gbps) * 1e9
+    chosen: set[int] = set()
+    sources: set[int] = set()
+    for ordinal in sorted(found, key=lambda i: -entries[i][1]):
+        recipe = found[ordinal]
+        cost = sum(seconds[k] for k in recipe.ops)
+        if cost >= entries[ordinal][1] / link:
+            continue
+        if ordinal in sources or set(recipe.inputs) & chosen:
+            continue
+        chosen.add(ordinal)
+        sources.update(recipe.inputs)
+    return chosen

@@ -18,8 +18,10 @@ import torch
 
 from lms._units import format_bytes
 from lms.config import LMSConfig
+from lms.errors import StepAbortedError
 from lms.plan import Plan
 from lms.runtime import policy
+from lms.runtime.recompute import WriteLog, replay
 from lms.runtime.stats import LMSStats
 from lms.runtime.store import Entry, Offloader
 
@@ -82,6 +84,7 @@ class _Step:
         self.largest_bytes = max(record.nbytes, default=0) if record else 0
         self.offload_set: set[int] | None = None
         self.refetch_set: set[int] | None = None
+        self.recompute_set: set[int] | None = None
         self.use_queue: list[Entry] | None = None
         self.use_pos: dict[int, int] = {}
         self.save_level: dict[int, int] = {}
@@ -147,6 +150,7 @@ class LMS:
         self._hooks: Any = None
         self._module_hook: Any = None
         self._warned_divergence = False
+        self._writes: WriteLog | None = None
         self._back_bytes = 0  # bytes of offloaded storages brought back and not yet released
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
 
@@ -165,11 +169,17 @@ class LMS:
         self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
             self._note_module
         )
+        if self.plan is not None and self.plan.recompute:
+            self._writes = WriteLog(self._fixed_ptrs, self._entry_of)
+            self._writes.__enter__()
         self._active = True
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self._active = False
+        if self._writes is not None:
+            writes, self._writes = self._writes, None
+            writes.__exit__(None, None, None)
         self._hooks.__exit__(None, None, None)
         self._module_hook.remove()
         if exc is not None:
@@ -278,7 +288,7 @@ class LMS:
             if (
                 entry is None
                 or entry.released
-                or (entry.offloaded and not self._joins(entry, base))
+                or ((entry.offloaded or entry.recipe is not None) and not self._joins(entry, base))
             ):
                 entry = self._new_entry(step, storage, tensor.device, base)
                 self._by_storage[slot] = (weakref.ref(storage), entry)
@@ -318,7 +328,9 @@ class LMS:
             step.baseline_bytes = (
                 torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             )
-        if self._planned_offload(step, entry):
+        if self._planned_recompute(step, entry, storage):
+            self._evict(step)
+        elif self._planned_offload(step, entry):
             self._offload(entry)
             self._evict(step)
         else:
@@ -347,6 +359,40 @@ class LMS:
                 what,
                 ordinal,
             )
+
+    def _planned_recompute(self, step: _Step, entry: Entry, storage: torch.UntypedStorage) -> bool:
+        """Drop ``entry``'s storage now and recompute it in backward, if the plan says so."""
+        if self._writes is None or self.plan is None or step.diverged:
+            return False
+        if step.recompute_set is None:
+            step.recompute_set = set(self.plan.recompute)
+        if entry.ordinal not in step.recompute_set:
+            return False
+        recipe = self._writes.recipe(storage)
+        if recipe is None or any(source.recipe is not None for source in recipe.inputs):
+            log.info(
+                "[LMS] saved storage %d has no recipe at run time; offloading it instead",
+                entry.ordinal,
+            )
+            step.offload_set = (step.offload_set or set(self.plan.offload)) | {entry.ordinal}
+            return False
+        for source in recipe.inputs:
+            source.handles += 1  # kept until this entry is released
+        base = entry.base() if entry.base is not None else None
+        entry.copied_version = base._version if base is not None else None
+        entry.recipe = recipe
+        entry.storage = None
+        self.stats.recomputed_tensors += 1
+        self.stats.recomputed_bytes += entry.nbytes
+        return True
+
+    def _entry_of(self, storage: torch.UntypedStorage) -> Entry | None:
+        """The live entry that saved ``storage`` in this step, if any."""
+        found = self._by_storage.get((str(storage.device), storage.data_ptr()))
+        if found is None or found[0]() is not storage or found[1].released:
+            return None
+        step = self._step
+        return found[1] if step is not None and step.owns(found[1]) else None
 
     def _planned_offload(self, step: _Step, entry: Entry) -> bool:
         """With a plan or a record of an earlier step, decide at save time; False: keep for now."""
@@ -434,13 +480,42 @@ class LMS:
             # A storage saved as several views stays loaded until each view was read once,
             # unless the plan reads it back for each use.
             hold = entry.uses % entry.handles != 0 and not self._refetches(step, entry)
-            if entry.offloaded:
-                self._mark_back(entry)
-            storage, waited = self._offloader.fetch(entry, hold=hold)
+            if entry.recipe is not None:
+                storage, waited = self._remake(entry, hold=hold)
+            else:
+                if entry.offloaded:
+                    self._mark_back(entry)
+                storage, waited = self._offloader.fetch(entry, hold=hold)
             self.stats.wait_s += waited
             self.stats.reloaded_bytes = self._offloader.loaded_bytes
         out = torch.empty(0, dtype=packed.dtype, device=entry.device)
         return out.set_(storage, packed.offset, packed.size, packed.stride)
+
+    def _remake(self, entry: Entry, *, hold: bool) -> tuple[torch.UntypedStorage, float]:
+        """``entry``'s storage, recomputed unless a recomputed copy is still alive."""
+        if entry.aborted:
+            raise StepAbortedError(
+                "lms: backward needs a tensor whose recipe was discarded when its step failed; "
+                "run forward again"
+            )
+        alive = entry.loaded
+        if alive is None and entry.last is not None:
+            alive = entry.last()
+        if alive is None:
+            waited = 0.0
+
+            def fetch(source: Entry) -> torch.UntypedStorage:
+                nonlocal waited
+                storage, seconds = self._offloader.fetch(source, hold=True)
+                waited += seconds
+                return storage
+
+            alive = replay(entry.recipe, entry.device, fetch)
+            entry.last = weakref.ref(alive)
+        else:
+            waited = 0.0
+        entry.loaded = alive if hold else None
+        return alive, waited
 
     def _refetches(self, step: _Step | None, entry: Entry) -> bool:
         """Whether the plan drops ``entry``'s device copy between uses and reads it again."""
@@ -512,6 +587,10 @@ class LMS:
                 self._back_bytes -= entry.nbytes
             self._offloader.release(entry)
             self._live.pop(entry.key, None)
+            recipe, entry.recipe = entry.recipe, None
+            if recipe is not None:
+                for source in recipe.inputs:
+                    self._drop_handle(source)
             if not self._active and not self._live:
                 self._offloader.tidy()
 

@@ -25,6 +25,10 @@ class LMSStats:
     """Bytes moved out of device memory."""
     spilled_bytes: int = 0
     """Of those, bytes written to spill files."""
+    recomputed_tensors: int = 0
+    """Storages dropped in forward and recomputed in backward, as the plan said."""
+    recomputed_bytes: int = 0
+    """Their bytes (counted once per storage, not per recompute)."""
     prefetched_bytes: int = 0
     """Bytes brought back ahead of their use."""
     reloaded_bytes: int = 0

@@ -51,6 +51,7 @@ class Entry:
         "base",
         "copied_version",
         "back",
+        "recipe",
     )
 
     def __init__(self, key: int, ordinal: int, storage: torch.UntypedStorage, device: torch.device):
@@ -74,6 +75,7 @@ class Entry:
         self.base: weakref.ref[torch.Tensor] | None = None  # the tensor its views come from
         self.copied_version: int | None = None  # the base's version when the copy was taken
         self.back = False  # brought back to the device since it was offloaded
+        self.recipe: Any = None  # set when backward recomputes it instead
 
 
 class Offloader:

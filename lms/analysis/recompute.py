@@ -1,0 +1,96 @@
+"""Which saved tensors backward could recompute instead of storing, and from what.
+
+A saved storage can be recomputed when every forward op that wrote it is a cheap, deterministic
+op (normalisation, activation, elementwise arithmetic), the first of them returned it as its first
+output, and their other inputs are parameters, buffers, or other saved storages: the runtime
+replays exactly those aten calls, so the result is the same bits. Random ops (dropout's mask) and
+anything else are never replayed; a product with a saved mask is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lms.analysis.records import Trace
+
+__all__ = ["RECOMPUTABLE_OPS", "Recipe", "recipes"]
+
+RECOMPUTABLE_OPS = frozenset(
+    f"aten.{name}"
+    for name in (
+        "native_batch_norm.default",
+        "_native_batch_norm_legit.default",
+        "_native_batch_norm_legit.no_stats",
+        "cudnn_batch_norm.default",
+        "native_layer_norm.default",
+        "relu.default",
+        "relu_.default",
+        "threshold.default",
+        "threshold_.default",
+        "hardtanh.default",
+        "hardtanh_.default",
+        "leaky_relu.default",
+        "leaky_relu_.default",
+        "gelu.default",
+        "silu.default",
+        "silu_.default",
+        "sigmoid.default",
+        "tanh.default",
+        "add.Tensor",
+        "add_.Tensor",
+        "mul.Tensor",
+        "mul_.Tensor",
+    )
+)
+"""Ops whose output backward may recompute: cheap, deterministic, with no state but buffers."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How to recompute one saved storage."""
+
+    ops: tuple[int, ...]
+    """Forward op indices that wrote it, in order: the first allocates it, the rest are in place."""
+    inputs: tuple[int, ...]
+    """Ordinals of the saved storages those ops read (parameters and buffers are not listed)."""
+
+
+def recipes(trace: Trace) -> dict[int, Recipe]:
+    """For each saved storage (by ordinal) that backward could recompute, its recipe."""
+    entries = trace.entries()
+    ordinal_of = {storage: i for i, (storage, _, _) in enumerate(entries)}
+    first_save = {storage: save_op for storage, _, save_op in entries}
+    storages = {record.id: record for record in trace.storages}
+    writers: dict[int, list[int]] = {}
+    for op in trace.ops:
+        if op.phase == "forward":
+            for storage in op.outputs:
+                writers.setdefault(storage, []).append(op.index)
+    found: dict[int, Recipe] = {}
+    for ordinal, (storage, _, save_op) in enumerate(entries):
+        ops = writers.get(storage, [])
+        if not ops or storages[storage].alloc_op != ops[0] or ops[-1] >= save_op:
+            continue
+        if trace.ops[ops[0]].outputs[0] != storage:  # the runtime replays the first output
+            continue
+        inputs: set[int] = set()
+        for index in ops:
+            op = trace.ops[index]
+            if op.name not in RECOMPUTABLE_OPS:
+                break
+            for read in op.inputs:
+                if read == storage or storages[read].kind in ("param", "buffer"):
+                    continue
+                # Another saved storage, saved no later than this one and not rewritten since.
+                source = ordinal_of.get(read)
+                if source is None or first_save[read] > save_op:
+                    break
+                if any(index < w < save_op for w in writers.get(read, ())):
+                    break
+                inputs.add(source)
+            else:
+                continue
+            break
+        else:
+            found[ordinal] = Recipe(tuple(ops), tuple(sorted(inputs)))
+    return found

@@ -1,0 +1,249 @@
+"""Recompute saved tensors in backward from the forward calls that wrote them.
+
+While a plan recomputes anything, `WriteLog` (a dispatch mode) watches forward: for each storage
+that a recomputable op (`lms.analysis.recompute.RECOMPUTABLE_OPS`) allocates, it keeps the calls
+that wrote it. When autograd saves such a storage, the session turns that history into a `Recipe`
+whose tensor arguments are the storage itself, parameters and buffers, or other saved entries; in
+backward the recipe replays the same aten calls on the same bits, so the result is identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lms.analysis.recompute import RECOMPUTABLE_OPS
+from lms.errors import LMSError
+
+__all__ = ["WriteLog", "Call", "Recipe", "Slot"]
+
+
+@dataclasses.dataclass
+class _Arg:
+    """A tensor argument as forward passed it."""
+
+    storage: weakref.ref[torch.UntypedStorage]
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    fixed: torch.Tensor | None
+    """The tensor itself when it is a parameter or buffer (held: it outlives the step)."""
+    written: bool
+    entry: Any
+    """The saved entry holding its storage when the call ran, if autograd had saved it by then."""
+
+
+@dataclasses.dataclass
+class _Written:
+    """One forward call that wrote a storage."""
+
+    func: Any
+    leaves: list[Any]
+    spec: Any
+
+
+@dataclasses.dataclass
+class Slot:
+    """A tensor argument of a recipe call: a view of the target, of an entry, or a fixed tensor."""
+
+    kind: str  # "self", "entry" or "fixed"
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    entry: Any = None
+    fixed: torch.Tensor | None = None
+    version: int = 0
+    written: bool = False
+
+
+@dataclasses.dataclass
+class Call:
+    func: Any
+    leaves: list[Any]
+    """Arguments flattened; tensors replaced by `Slot`s."""
+    spec: Any
+
+
+@dataclasses.dataclass
+class Recipe:
+    """How to make one saved storage again."""
+
+    calls: list[Call]
+    inputs: list[Any]
+    """The entries it reads (the session holds a handle on each while the recipe lives)."""
+    nbytes: int
+
+
+def _written_positions(func: Any, num_args: int) -> set[int]:
+    return {
+        i
+        for i, arg in enumerate(func._schema.arguments[:num_args])
+        if arg.alias_info is not None and arg.alias_info.is_write
+    }
+
+
+class WriteLog(TorchDispatchMode):
+    """Forward's history of writes into storages that recomputable ops allocated."""
+
+    def __init__(
+        self,
+        fixed_ptrs: set[int],
+        entry_of: Callable[[torch.UntypedStorage], Any],
+    ):
+        super().__init__()
+        self.fixed_ptrs = fixed_ptrs
+        self.entry_of = entry_of
+        self.histories: dict[int, tuple[weakref.ref[torch.UntypedStorage], list[_Written]]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch._C._current_graph_task_id() != -1:  # backward: nothing to learn
+            return out
+        leaves, spec = tree_flatten((args, kwargs))
+        read = {
+            leaf.untyped_storage().data_ptr()
+            for leaf in leaves
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"
+        }
+        written = _written_positions(func, len(args))
+        first = out if isinstance(out, torch.Tensor) else None
+        if first is None and isinstance(out, (tuple, list)) and out:
+            first = out[0] if isinstance(out[0], torch.Tensor) else None
+        if str(func) in RECOMPUTABLE_OPS and first is not None:
+            storage = first.untyped_storage()
+            ptr = storage.data_ptr()
+            call = _Written(
+                func, [self._arg(leaf, i in written) for i, leaf in enumerate(leaves)], spec
+            )
+            if ptr in read:  # in place: extends the history of what it writes
+                known = self.histories.get(ptr)
+                if known is not None and known[0]() is storage:
+                    known[1].append(call)
+                return out
+            self.histories[ptr] = (weakref.ref(storage), [call])
+            return out
+        # Anything else that writes a storage ends its history.
+        for position in written:
+            if position < len(leaves) and isinstance(leaves[position], torch.Tensor):
+                self.histories.pop(leaves[position].untyped_storage().data_ptr(), None)
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                ptr = value.untyped_storage().data_ptr()
+                if ptr not in read:
+                    self.histories.pop(ptr, None)
+        return out
+
+    def _arg(self, leaf: Any, written: bool) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        storage = leaf.untyped_storage()
+        fixed = storage.data_ptr() in self.fixed_ptrs
+        return _Arg(
+            storage=weakref.ref(storage),
+            size=leaf.size(),
+            stride=leaf.stride(),
+            offset=int(leaf.storage_offset()),
+            dtype=leaf.dtype,
+            fixed=leaf if fixed else None,
+            written=written,
+            # Note: [Name a recipe's inputs by entry]
+            # An offloaded input's device storage may be freed before the tensor that reads it
+            # is saved, so its entry is looked up now, while the storage is certainly alive.
+            entry=None if fixed else self.entry_of(storage),
+        )
+
+    def _entry(self, leaf: _Arg, storage: torch.UntypedStorage | None) -> Any:
+        if leaf.entry is not None and not leaf.entry.released:
+            return leaf.entry
+        return self.entry_of(storage) if storage is not None else None
+
+    def recipe(self, storage: torch.UntypedStorage) -> Recipe | None:
+        """The recipe for ``storage``, or None when some argument cannot be had in backward."""
+        known = self.histories.get(storage.data_ptr())
+        if known is None or known[0]() is not storage:
+            return None
+        calls: list[Call] = []
+        inputs: list[Any] = []
+        for written in known[1]:
+            leaves: list[Any] = []
+            for leaf in written.leaves:
+                if not isinstance(leaf, _Arg):
+                    leaves.append(leaf)
+                    continue
+                geometry = (leaf.size, leaf.stride, leaf.offset, leaf.dtype)
+                source = leaf.storage()
+                if source is storage:
+                    leaves.append(Slot("self", *geometry))
+                elif leaf.fixed is not None:
+                    leaves.append(
+                        Slot(
+                            "fixed",
+                            *geometry,
+                            fixed=leaf.fixed,
+                            version=leaf.fixed._version,
+                            written=leaf.written,
+                        )
+                    )
+                else:
+                    entry = self._entry(leaf, source)
+                    if entry is None:
+                        return None
+                    leaves.append(Slot("entry", *geometry, entry=entry))
+                    if all(entry is not other for other in inputs):
+                        inputs.append(entry)
+            calls.append(Call(written.func, leaves, written.spec))
+        return Recipe(calls, inputs, storage.nbytes())
+
+
+def _view(storage: torch.UntypedStorage, slot: Slot, device: torch.device) -> torch.Tensor:
+    out = torch.empty(0, dtype=slot.dtype, device=device)
+    return out.set_(storage, slot.offset, slot.size, slot.stride)
+
+
+def replay(
+    recipe: Recipe,
+    device: torch.device,
+    fetch: Callable[[Any], torch.UntypedStorage],
+) -> torch.UntypedStorage:
+    """Run ``recipe``'s calls again; ``fetch`` gives the device storage of an input entry."""
+    target: torch.UntypedStorage | None = None
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        for call in recipe.calls:
+            leaves: list[Any] = []
+            for leaf in call.leaves:
+                if not isinstance(leaf, Slot):
+                    leaves.append(leaf)
+                elif leaf.kind == "self":
+                    assert target is not None, "a recipe starts with the call that allocates"
+                    leaves.append(_view(target, leaf, device))
+                elif leaf.kind == "entry":
+                    leaves.append(_view(fetch(leaf.entry), leaf, device))
+                else:
+                    assert leaf.fixed is not None
+                    if leaf.fixed._version != leaf.version and not leaf.written:
+                        raise LMSError(
+                            "lms: a parameter that a recomputed tensor depends on changed "
+                            "between forward and backward; step the optimizer after backward"
+                        )
+                    leaves.append(leaf.fixed.clone() if leaf.written else leaf.fixed)
+            args, kwargs = tree_unflatten(leaves, call.spec)
+            out = call.func(*args, **kwargs)
+            if target is None:
+                first = out if isinstance(out, torch.Tensor) else out[0]
+                target = first.untyped_storage()
+    assert target is not None
+    if target.nbytes() != recipe.nbytes:
+        raise LMSError(
+            f"lms: recomputing a saved tensor made {target.nbytes()} bytes where forward made "
+            f"{recipe.nbytes}; pass a plan without recompute"
+        )
+    return target

@@ -1,0 +1,142 @@
+"""Recomputing cheap saved tensors in backward instead of storing them."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+import lms
+from lms.analysis import simulate, trace_step
+from lms.analysis.recompute import recipes
+from lms.plan import Plan
+from lms.planning import plan_greedy
+from lms.planning.common import Checker
+from tests.conftest import assert_bitwise, run_step
+from tests.planning.test_planners import small_spec
+
+
+class Mixed(nn.Module):
+    """BatchNorm + ReLU in place (recomputable), dropout (its random mask: never), a residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.drop = nn.Dropout(0.2)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        a = torch.relu_(self.bn1(self.conv1(x)))
+        b = self.drop(a)
+        c = torch.nn.functional.gelu(self.bn2(self.conv2(b)).add_(a))
+        return self.head(c.mean((2, 3)))
+
+
+def _resnet():
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def _step(model, batch):
+    loss = model(*batch).float().square().mean()
+    loss.backward()
+    return loss
+
+
+def _trace(build, batch):
+    torch.manual_seed(0)
+    return trace_step(build, batch, _step, device="cpu", min_offload_bytes=0)
+
+
+def _recompute_all(trace):
+    """Every recipe whose inputs are not themselves recomputed; the rest offloaded."""
+    found = recipes(trace)
+    chosen: set[int] = set()
+    for ordinal, recipe in sorted(found.items()):
+        if not set(recipe.inputs) & chosen and not any(ordinal in found[c].inputs for c in chosen):
+            chosen.add(ordinal)
+    entries = trace.entries()
+    return Plan(
+        fingerprint=trace.fingerprint(),
+        offload=tuple(i for i in range(len(entries)) if i not in chosen),
+        recompute=tuple(sorted(chosen)),
+        num_entries=len(entries),
+        swapin_ahead=2,
+    )
+
+
+def test_recipes_cover_norms_and_activations_but_not_random_ops():
+    trace = _trace(Mixed, [torch.randn(2, 3, 32, 32)])
+    found = recipes(trace)
+    names = [[trace.ops[i].name for i in recipe.ops] for recipe in found.values()]
+    assert ["aten.native_batch_norm.default", "aten.relu_.default"] in names
+    assert ["aten.native_batch_norm.default", "aten.add_.Tensor"] in names
+    assert ["aten.mul.Tensor"] in names  # dropout: the product with its saved mask
+    assert not any("bernoulli" in op for ops in names for op in ops)
+    # BatchNorm's saved mean and inverse deviation are its second and third outputs: stored
+    entries = trace.entries()
+    assert all(trace.ops[r.ops[0]].outputs[0] == entries[i][0] for i, r in found.items())
+
+
+@pytest.mark.parametrize("build", [Mixed, _resnet], ids=["mixed", "resnet18"])
+def test_runtime_recomputes_bitwise(build, spill_dir):
+    batch = [torch.randn(2, 3, 64, 64)]
+    trace = _trace(build, batch)
+    plan = _recompute_all(trace)
+    assert plan.recompute
+    model = build()
+    ref = run_step(model, batch)
+    offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
+    for step in range(1, 3):
+        assert_bitwise(ref, run_step(model, batch, offload))
+        assert offload.stats.recomputed_tensors == step * len(plan.recompute)
+    assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
+    offload.close()
+
+
+def test_recompute_survives_retain_graph_and_autocast(spill_dir):
+    batch = [torch.randn(2, 3, 64, 64)]
+    model = _resnet()
+
+    def step(ctx=None):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return run_step(model, batch, ctx, retain=True)
+
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trace = trace_step(
+            _resnet, batch, lambda m, b: _step(m, b), device="cpu", min_offload_bytes=0
+        )
+    plan = _recompute_all(trace)
+    ref = step()
+    offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
+    assert_bitwise(ref, step(offload))
+    assert offload.stats.recomputed_tensors == len(plan.recompute) > 0
+    offload.close()
+
+
+def test_planner_recomputes_where_moving_costs_more():
+    trace = _trace(_resnet, [torch.randn(2, 3, 128, 128)])
+    spec = small_spec()
+    plain = simulate(trace, None, spec)
+    _, floor = Checker(trace, spec, plain.peak_bytes).require_feasible()
+    budget = (floor.peak_bytes + plain.peak_bytes) // 2
+    plan = plan_greedy(trace, spec, budget)
+    assert plan.recompute
+    result = simulate(trace, plan, spec)
+    assert result.peak_bytes <= budget
+    without = simulate(
+        trace,
+        Plan(
+            fingerprint=plan.fingerprint,
+            offload=tuple(sorted(plan.offload + plan.recompute)),
+            num_entries=plan.num_entries,
+            swapin_ahead=plan.swapin_ahead,
+            sync_mode=plan.sync_mode,
+        ),
+        spec,
+    )
+    assert result.step_s < without.step_s
+    assert result.recompute_s > 0

@@ -23,6 +23,7 @@ _CATEGORIES = {
     "input": "input",
     "activation": "activation",
     "reloaded": "activation",
+    "recomputed": "activation",
     "gradient": "gradient",
     "state": "optimizer_state",
 }

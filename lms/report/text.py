@@ -46,6 +46,19 @@ def info_lines(
         f"[LMS] Plan ({plan.source}): offload {planned.offloaded_tensors} of "
         f"{plan.num_entries} saved storages ({format_bytes(planned.offloaded_bytes)} out and "
         f"back), swapin_ahead {plan.swapin_ahead}, sync_mode {plan.sync_mode}",
+    ]
+    if plan.recompute:
+        lines.append(
+            f"[LMS] Recompute {len(plan.recompute)} saved storages in backward instead "
+            f"({format_bytes(planned.recomputed_bytes)}, "
+            f"{planned.recompute_s * 1e3:.1f} ms of extra compute)"
+        )
+    if plan.refetch:
+        lines.append(
+            f"[LMS] Read {len(plan.refetch)} offloaded storages back for each use in backward "
+            "rather than holding them between uses"
+        )
+    lines += [
         f"[LMS] Predicted peak with LMS: {format_bytes(planned.peak_bytes)}, {fits} in "
         f"{format_bytes(budget_bytes)}; host memory for offloaded data: "
         f"{format_bytes(planned.host_peak_bytes)}",

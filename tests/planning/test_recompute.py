@@ -16,7 +16,7 @@ from tests.planning.test_planners import small_spec
 
 
 class Mixed(nn.Module):
-    """BatchNorm + ReLU in place (recomputable), dropout (its random mask: never), a residual add."""
+    """BatchNorm + ReLU in place (recomputable), dropout (random mask: never), a residual add."""
 
     def __init__(self):
         super().__init__()

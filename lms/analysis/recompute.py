@@ -10,6 +10,7 @@ anything else are never replayed; a product with a saved mask is.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 from lms.analysis.records import Trace
 
@@ -55,8 +56,24 @@ class Recipe:
     """Ordinals of the saved storages those ops read (parameters and buffers are not listed)."""
 
 
+_CACHE: dict[int, tuple[weakref.ref[Trace], dict[int, Recipe]]] = {}
+
+
 def recipes(trace: Trace) -> dict[int, Recipe]:
-    """For each saved storage (by ordinal) that backward could recompute, its recipe."""
+    """For each saved storage (by ordinal) that backward could recompute, its recipe.
+
+    Computed once per trace (planners simulate a trace hundreds of times); do not mutate it.
+    """
+    key = id(trace)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is trace:
+        return hit[1]
+    found = _find(trace)
+    _CACHE[key] = (weakref.ref(trace, lambda _: _CACHE.pop(key, None)), found)
+    return found
+
+
+def _find(trace: Trace) -> dict[int, Recipe]:
     entries = trace.entries()
     ordinal_of = {storage: i for i, (storage, _, _) in enumerate(entries)}
     first_save = {storage: save_op for storage, _, save_op in entries}

@@ -27,11 +27,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
 
 
+def _write_json(path: str, result: dict[str, Any]) -> None:
+    with open(path, "w") as out:
+        json.dump(result, out, indent=2)
+
+
 def _write(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[str], None]) -> None:
     """Write ``--json`` and ``--plot`` where asked."""
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
+        _write_json(args.json, result)
         log.info("[LMS] wrote %s", args.json)
     if args.plot:
         plot(args.plot)
@@ -114,6 +118,9 @@ def _bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         steps=args.steps,
         amp=args.amp,
+        timeout_s=args.run_timeout,
+        time_limit_s=args.time_limit,
+        on_point=(lambda partial: _write_json(args.json, partial)) if args.json else None,
     )
     for method, size in result["largest_size"].items():
         log.info("[LMS] largest size reached by %s: %s", method, size)
@@ -174,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, default=1)
     bench.add_argument("--steps", type=int, default=3)
     bench.add_argument("--amp", action="store_true")
+    bench.add_argument(
+        "--time-limit", type=float, default=None, help="seconds after which no run starts"
+    )
+    bench.add_argument(
+        "--run-timeout", type=float, default=900, help="seconds before one run is stopped"
+    )
     bench.add_argument("--json")
     bench.add_argument("--plot")
     bench.set_defaults(run=_bench)

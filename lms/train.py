@@ -48,6 +48,8 @@ class TrainResult:
     device: str
     loss: float
     lms_stats: dict[str, float] | None
+    plan: dict[str, Any] | None = None
+    """With LMS tuned: the plan's predicted peak and overhead, and how many storages it moves."""
 
 
 class _Checkpointed(torch.nn.Module):
@@ -161,6 +163,7 @@ def train(
         device=torch.cuda.get_device_name(target) if cuda else "cpu",
         loss=float(loss.detach().float()),
         lms_stats=offload.stats.as_dict() if offload is not None else None,
+        plan=_plan_summary(offload),
     )
     if offload is not None:
         offload.close()
@@ -178,6 +181,21 @@ def train(
         "" if cuda else " (RSS growth)",
     )
     return result
+
+
+def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:
+    if offload is None or offload.plan is None:
+        return None
+    plan = offload.plan
+    return {
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "predicted_overhead": plan.predicted_overhead,
+        "budget_bytes": plan.budget_bytes,
+        "offload": len(plan.offload),
+        "recompute": len(plan.recompute),
+        "refetch": len(plan.refetch),
+        "entries": plan.num_entries,
+    }
 
 
 def load_images(folder: str, size: int, batch_size: int) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ def test_every_method_trains_and_measures():
             method=method,
             budget="2GiB" if method == "lms" else None,
             progress=False,
+            device="cpu",
         )
         for method in ("none", "lms", "save_on_cpu", "checkpoint")
     }

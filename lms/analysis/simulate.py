@@ -67,8 +67,14 @@ class SimResult:
 
     @property
     def overhead(self) -> float:
-        """Predicted slowdown: step time over the no-offload step time, minus one."""
-        return self.step_s / self.base_step_s - 1.0 if self.base_step_s > 0 else 0.0
+        """Predicted slowdown: step time over the no-offload step time, minus one.
+
+        Never negative: waits and recomputation only add time, so a difference below zero is
+        rounding in the two sums.
+        """
+        if self.base_step_s <= 0:
+            return 0.0
+        return max(0.0, self.step_s / self.base_step_s - 1.0)
 
     def fits(self, memory_bytes: int) -> bool:
         """Whether the peak fits in ``memory_bytes``."""

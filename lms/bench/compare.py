@@ -14,7 +14,8 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -65,14 +66,27 @@ def bench(
     steps: int = 3,
     amp: bool = False,
     timeout_s: float = 900,
+    time_limit_s: float | None = None,
+    on_point: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    """Measure every method at every size; stop a method after its first size that fails."""
+    """Measure every method at every size; stop a method after its first size that fails.
+
+    Args:
+        time_limit_s: start no run after this many seconds; the runs left out are listed in the
+            result's ``not_run``.
+        on_point: called with the summary so far after each run (to keep partial results).
+    """
     limit = parse_bytes(budget, field="budget") if budget is not None else None
     points: list[dict[str, Any]] = []
     failed: set[str] = set()
+    not_run: list[dict[str, Any]] = []
+    started = time.perf_counter()
     runs = [(size, method) for size in sizes for method in methods]
     for size, method in tqdm(runs, desc=f"bench {model}", unit="run"):
         if method in failed:
+            continue
+        if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
+            not_run.append({"size": size, "method": method})
             continue
         arguments = {
             "model": model,
@@ -117,7 +131,11 @@ def bench(
             if run.get("ok")
             else run.get("error", "failed"),
         )
-    return summarize(model, points, limit, methods)
+        if on_point is not None:
+            on_point(summarize(model, points, limit, methods))
+    if not_run:
+        log.info("[LMS] %s: %d runs left out by the time limit", model, len(not_run))
+    return {**summarize(model, points, limit, methods), "not_run": not_run}
 
 
 def summarize(

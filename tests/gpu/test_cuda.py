@@ -82,7 +82,7 @@ def test_simulated_peak_within_5pct_of_cuda():
         loss.backward()
         return loss
 
-    offload = lms.LMS(budget="256MiB")
+    offload = lms.LMS(budget="1GiB")
     plan = offload.tune(model, [x], step)
     trace = trace_step(model, [x], step, device="cuda")
     sim = simulate(trace, plan, local_device_spec(torch.device("cuda")))
@@ -95,3 +95,31 @@ def test_simulated_peak_within_5pct_of_cuda():
         torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated()
     assert abs(measured / sim.peak_tensor_bytes - 1) <= 0.05, (measured, sim.peak_tensor_bytes)
+
+
+@pytest.fixture
+def deterministic_cudnn():
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
+
+
+def test_recompute_plan_bitwise_on_cuda(deterministic_cudnn):
+    """BatchNorm and ReLU outputs remade in backward on the compute stream, the rest offloaded."""
+    from lms.analysis import trace_step
+    from tests.planning.test_recompute import _recompute_all, _resnet, _step
+
+    batch = [torch.randn(2, 3, 64, 64, device="cuda")]
+    torch.manual_seed(0)
+    trace = trace_step(_resnet, batch, _step, device="cuda", min_offload_bytes=0)
+    plan = _recompute_all(trace)
+    assert plan.recompute
+    model = _resnet().cuda()
+    ref = run_step(model, batch)
+    offload = lms.LMS(plan=plan, min_offload_bytes=0)
+    for step in range(1, 3):
+        assert_bitwise(ref, run_step(model, batch, offload))
+        assert offload.stats.recomputed_tensors == step * len(plan.recompute)
+    assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
+    offload.close()

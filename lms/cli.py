@@ -53,6 +53,7 @@ def _analyze(args: argparse.Namespace) -> int:
         entry.step_fn,
         gpu_memory=args.gpu_memory,
         device_spec=args.device_spec,
+        host_memory=args.host_memory,
         autocast=torch.bfloat16 if args.amp else None,
         name=f"{args.model} {args.image_size}px batch {args.batch_size}",
     )
@@ -145,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(analyze)
     analyze.add_argument("--gpu-memory", type=str, default=None, help="e.g. 32GiB")
     analyze.add_argument("--device-spec", default="v100-32gb", help="see lms.analysis.DEVICES")
+    analyze.add_argument(
+        "--host-memory", default=None, help="host memory for offloaded data, e.g. 64GiB"
+    )
     analyze.add_argument("--json", help="write the summary here")
     analyze.add_argument("--plot", help="write the memory graph (PNG) here")
     analyze.add_argument("--snapshot", help="write a memory_viz snapshot (pickle) here")

@@ -26,6 +26,8 @@ class Plan:
     uses instead of held (TFLMS's swap-in per consumer)."""
     recompute: tuple[int, ...] = ()
     """Ordinals that backward recomputes from their forward ops instead of storing."""
+    spill: tuple[int, ...] = ()
+    """Offloaded ordinals that go to spill files rather than host memory (host memory short)."""
     swapin_ahead: int = 2
     """Offloaded tensors brought back ahead of backward's use."""
     sync_mode: int = 0
@@ -51,6 +53,12 @@ class Plan:
                 f"lms: Plan.recompute {list(self.recompute)[:5]} must name ordinals in "
                 f"0..{self.num_entries - 1} that Plan.offload does not (both: {both[:5]})"
             )
+        loose = sorted(set(self.spill) - set(self.offload))
+        if loose:
+            raise ValueError(
+                f"lms: Plan.spill names ordinals {loose[:5]} that Plan.offload does not; "
+                "only offloaded tensors can go to disk"
+            )
         stray = sorted(set(self.refetch) - set(self.offload))
         if stray:
             raise ValueError(
@@ -69,6 +77,7 @@ class Plan:
         data["offload"] = tuple(data["offload"])
         data["refetch"] = tuple(data.get("refetch", ()))
         data["recompute"] = tuple(data.get("recompute", ()))
+        data["spill"] = tuple(data.get("spill", ()))
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> None:

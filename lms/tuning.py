@@ -5,17 +5,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from lms._units import format_bytes
 from lms.analysis.devices import DEVICES, DeviceSpec
+from lms.analysis.records import Trace
+from lms.analysis.simulate import simulate
 from lms.analysis.trace import StepFn, trace_step
+from lms.errors import HostMemoryError, SpillError
 from lms.plan import Plan
 
-__all__ = ["local_device_spec", "tune_plan", "measure_link_gbps"]
+__all__ = ["local_device_spec", "tune_plan", "measure_link_gbps", "check_offload_room"]
 
 log = logging.getLogger("lms.tuning")
 
@@ -65,16 +71,28 @@ def tune_plan(
     autocast: torch.dtype | None = None,
     cache_dir: str | None = None,
     planner: Callable[..., Plan] | None = None,
+    tier: str = "auto",
+    host_budget_bytes: int | None = None,
+    spill_dir: str | None = None,
 ) -> Plan:
     """Trace ``step_fn(model, batch)`` under fake tensors and plan it for the model's device.
 
     A plan for the same fingerprint and budget found in ``cache_dir`` is loaded instead of tuned.
+    On a GPU, offloaded data beyond ``host_budget_bytes`` is planned into spill files (tier
+    "auto"), or refused (tier "host").
+
+    Raises:
+        PlanInfeasibleError: when no plan fits the device budget.
+        HostMemoryError: tier "host", when the offloaded data cannot fit in the host budget.
+        SpillError: when the spill files the plan needs do not fit on the spill disk.
     """
     from lms.planning import plan_auto
 
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     spec = local_device_spec(device)
+    if device.type == "cuda" and tier == "auto":
+        spec = spec.with_host_memory(host_budget_bytes)
     budget = spec.memory_bytes if budget_bytes is None else budget_bytes
     started = time.perf_counter()
     trace = trace_step(
@@ -87,13 +105,23 @@ def tune_plan(
         name=type(model).__name__,
     )
     folder = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "lms", "plans")
-    path = os.path.join(folder, f"{trace.fingerprint()}-{budget}.json")
+    host = f"-host{spec.host_memory_bytes}" if spec.spills else ""
+    path = os.path.join(folder, f"{trace.fingerprint()}-{budget}{host}.json")
     if os.path.exists(path):
         plan = Plan.load(path)
         log.info("[LMS] Loaded the plan for this step from %s", path)
         return plan
     choose: Any = planner or plan_auto
     plan = choose(trace, spec, budget, half=autocast is not None)
+    check_offload_room(
+        trace,
+        plan,
+        spec,
+        half=autocast is not None,
+        host_budget_bytes=host_budget_bytes if device.type == "cuda" and tier == "host" else None,
+        spill_dir=spill_dir,
+        spills=tier != "host",
+    )
     os.makedirs(folder, exist_ok=True)
     plan.save(path)
     log.info(
@@ -107,3 +135,52 @@ def tune_plan(
         path,
     )
     return plan
+
+
+def check_offload_room(
+    trace: Trace,
+    plan: Plan,
+    spec: DeviceSpec,
+    *,
+    half: bool = False,
+    host_budget_bytes: int | None = None,
+    spill_dir: str | None = None,
+    spills: bool = True,
+) -> None:
+    """Refuse, before training, a plan whose offloaded data has nowhere to go.
+
+    Args:
+        host_budget_bytes: host memory the offloaded copies must fit in (tier "host"); None
+            when they may overflow to disk.
+        spill_dir: where spill files go (None: the system's temporary folder).
+        spills: whether offloaded data may go to spill files at all (not with tier "host").
+
+    Raises:
+        HostMemoryError: the copies held in host memory exceed ``host_budget_bytes``.
+        SpillError: the spill files exceed the free space of the spill disk.
+    """
+    result = simulate(trace, plan, spec, half=half)
+    if host_budget_bytes is not None and result.host_peak_bytes > host_budget_bytes:
+        raise HostMemoryError(
+            f"lms: the plan holds up to {format_bytes(result.host_peak_bytes)} of offloaded data "
+            f"in host memory, over the host budget of {format_bytes(host_budget_bytes)}; raise "
+            "host_budget, use tier='auto' to spill the rest to disk, or raise the device budget"
+        )
+    on_disk = result.disk_peak_bytes if spec.name != "cpu" else result.host_peak_bytes
+    if on_disk and spills:
+        folder = spill_dir or tempfile.gettempdir()
+        free = shutil.disk_usage(folder).free
+        if on_disk > free:
+            raise SpillError(
+                f"lms: the plan writes up to {format_bytes(on_disk)} of spill files but {folder} "
+                f"has {format_bytes(free)} free; point spill_dir at a larger disk, raise the "
+                "host budget, or raise the device budget"
+            )
+    if result.disk_peak_bytes:
+        log.info(
+            "[LMS] Host memory holds up to %s of offloaded data; %d tensors (%s at most at "
+            "once) go to spill files",
+            format_bytes(result.host_peak_bytes),
+            len(plan.spill),
+            format_bytes(result.disk_peak_bytes),
+        )

@@ -115,6 +115,8 @@ class Report:
             "offloaded_bytes": planned.offloaded_bytes if planned else 0,
             "offloaded_tensors": planned.offloaded_tensors if planned else 0,
             "host_peak_bytes": planned.host_peak_bytes if planned else 0,
+            "disk_peak_bytes": planned.disk_peak_bytes if planned else 0,
+            "host_memory_bytes": self.spec.host_memory_bytes,
             "predicted_step_s": (planned or self.plain).step_s,
             "predicted_overhead": planned.overhead if planned else 0.0,
             "plan": dataclasses.asdict(self.plan) if self.plan and planned else None,
@@ -128,6 +130,7 @@ def analyze(
     *,
     gpu_memory: int | str | None = None,
     device_spec: DeviceSpec | str = "v100-32gb",
+    host_memory: int | str | None = None,
     autocast: torch.dtype | None = None,
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     planner: Callable[[Trace, DeviceSpec, int], Plan] | str | None = None,
@@ -142,6 +145,8 @@ def analyze(
         step_fn: ``step_fn(model, batch)`` runs forward, loss and backward.
         gpu_memory: device memory the step may use (default: the spec's whole memory).
         device_spec: a `DeviceSpec` or its name (see `lms.analysis.devices.DEVICES`).
+        host_memory: host memory for offloaded data; beyond it the plan spills to disk (default:
+            the spec's, unlimited for the named specs).
         autocast: trace under autocast to this dtype.
         optimizer: builds an optimizer whose ``step()`` ends the step.
         planner: ``planner(trace, spec, budget) -> Plan``; default: `lms.planning.plan_auto`.
@@ -150,6 +155,8 @@ def analyze(
         name: the model's name in reports.
     """
     spec = device_spec if isinstance(device_spec, DeviceSpec) else _spec(device_spec)
+    if host_memory is not None:
+        spec = spec.with_host_memory(host_memory)
     budget = (
         spec.memory_bytes if gpu_memory is None else parse_bytes(gpu_memory, field="gpu_memory")
     )

@@ -37,10 +37,27 @@ class DeviceSpec:
     """The caching allocator's rounding of each block."""
     op_overhead_s: float = 5e-6
     """Launch cost of one op."""
+    host_memory_bytes: int | None = None
+    """Host memory for offloaded data; beyond it planners spill to disk. None: no limit."""
+    disk_write_gbps: float = 2.0
+    """Spill-file write rate, GB/s (a local NVMe drive)."""
+    disk_read_gbps: float = 3.0
+    """Spill-file read rate, GB/s."""
 
     def with_memory(self, memory: int | str) -> DeviceSpec:
         """The same device with another memory size (a limited or a larger card)."""
         return dataclasses.replace(self, memory_bytes=parse_bytes(memory, field="gpu_memory"))
+
+    def with_host_memory(self, memory: int | str | None) -> DeviceSpec:
+        """The same device with ``memory`` of host memory for offloaded data (None: no limit)."""
+        host = None if memory is None else parse_bytes(memory, field="host_memory")
+        return dataclasses.replace(self, host_memory_bytes=host)
+
+    @property
+    def spills(self) -> bool:
+        """Whether offloaded data can overflow host memory to disk (not for "cpu", whose
+        offloads already go to disk)."""
+        return self.name != "cpu" and self.host_memory_bytes is not None
 
 
 def _gpu(

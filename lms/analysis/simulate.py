@@ -44,7 +44,7 @@ class SimResult:
     peak_op: int
     """Index of the op running at the peak."""
     host_peak_bytes: int
-    """Peak of offloaded bytes held in host memory (or on disk)."""
+    """Peak of offloaded bytes held in host memory (or on disk, for the "cpu" spec)."""
     offloaded_bytes: int
     offloaded_tensors: int
     step_s: float
@@ -64,6 +64,8 @@ class SimResult:
     """Bytes of saved storages that backward recomputes instead of storing."""
     recompute_s: float = 0.0
     """Time spent recomputing them."""
+    disk_peak_bytes: int = 0
+    """Peak of bytes in spill files: the plan's ``spill`` entries, staged through host memory."""
 
     @property
     def overhead(self) -> float:
@@ -146,6 +148,9 @@ def simulate(
     offload = set(plan.offload) if plan is not None else set()
     ahead = plan.swapin_ahead if plan is not None else 2
     sync_out = plan is not None and plan.sync_mode in (1, 3)
+    # Spilled entries go through host memory to disk and back, as the runtime moves them: a
+    # blocking copy to the host, a background write; a background read, a blocking copy in.
+    spill = set(plan.spill) if plan is not None else set()
     sync_in = plan is not None and plan.sync_mode in (2, 3)
     storage_of = {i: entries[i][0] for i in offload}
     first_use = trace.first_use_op()
@@ -202,6 +207,9 @@ def simulate(
 
     d2h_bw = spec.d2h_gbps * 1e9
     h2d_bw = spec.h2d_gbps * 1e9
+    write_bw = spec.disk_write_gbps * 1e9
+    read_bw = spec.disk_read_gbps * 1e9
+    written: dict[int, float] = {}
     start = [0.0] * (len(trace.ops) + 1)
     done_at = [0.0] * len(trace.ops)
     out_done: dict[int, float] = {}
@@ -220,20 +228,43 @@ def simulate(
             kept_at[save_op] = kept_at.get(save_op, 0) + size
     kept = 0
     pending: list[tuple[float, int]] = []
-    d2h_free = h2d_free = 0.0
+    d2h_free = h2d_free = disk_free = 0.0
     now = wait = 0.0
 
     def load(ordinal: int) -> None:
         """Start bringing ``ordinal`` back now, after copies in already queued."""
-        nonlocal h2d_free
+        nonlocal h2d_free, disk_free
+        if ordinal in spill:
+            begin = max(now, disk_free, written[ordinal])
+            disk_free = in_done[ordinal] = begin + entries[ordinal][1] / read_bw
+            return
         in_issue[ordinal] = now
         begin = max(now, h2d_free, out_done.get(ordinal, 0.0))
         h2d_free = in_done[ordinal] = begin + entries[ordinal][1] / h2d_bw
+
+    def arrive(ordinal: int) -> None:
+        """Wait until ``ordinal`` is back on the device (a spilled one: read, then copied in)."""
+        nonlocal now, wait
+        if in_done[ordinal] > now:
+            wait += in_done[ordinal] - now
+            now = in_done[ordinal]
+        if ordinal in spill and ordinal not in in_issue:
+            in_issue[ordinal] = now
+            copy = entries[ordinal][1] / h2d_bw
+            wait += copy
+            now = in_done[ordinal] = now + copy
 
     for index in range(len(trace.ops) + 1):
         if index < trace.backward_start_op:
             kept += kept_at.get(index, 0)
         for ordinal in saves_at.get(index, ()):
+            if ordinal in spill:
+                copy = entries[ordinal][1] / d2h_bw
+                out_start[ordinal] = now
+                wait += copy
+                now = out_done[ordinal] = now + copy
+                disk_free = written[ordinal] = max(now, disk_free) + entries[ordinal][1] / write_bw
+                continue
             out_start[ordinal] = max(now, d2h_free)
             d2h_free = out_done[ordinal] = out_start[ordinal] + entries[ordinal][1] / d2h_bw
             pending.append((d2h_free, entries[ordinal][1]))
@@ -250,29 +281,33 @@ def simulate(
                 wait += max(done - now, 0.0)
                 now = max(now, done)
         for ordinal in issues_at.get(index, ()):
-            if ordinal not in in_issue:
+            if ordinal not in in_done:
                 load(ordinal)
         for ordinal in recompute_at.get(index, ()):
             # Its inputs must be on the device: load offloaded ones now if not on their way.
             for source in chosen[ordinal].inputs:
                 if source in offload:
-                    if source not in in_issue:
+                    if source not in in_done:
                         load(source)
-                    if in_done[source] > now:
-                        wait += in_done[source] - now
-                        now = in_done[source]
+                    arrive(source)
             recompute_start[ordinal] = now
             cost = sum(seconds[k] for k in chosen[ordinal].ops)
             recompute_s += cost
             now += cost
         for ordinal in needs_at.get(index, ()):
-            if in_done[ordinal] > now:
-                wait += in_done[ordinal] - now
-                now = in_done[ordinal]
+            arrive(ordinal)
         for ordinal in reloads_at.get(index, ()):
+            size = entries[ordinal][1]
+            if ordinal in spill:  # read again and copied in, on demand
+                begin = max(now, disk_free)
+                disk_free = begin + size / read_bw
+                reload_start[ordinal].append(disk_free)
+                wait += disk_free + size / h2d_bw - now
+                now = disk_free + size / h2d_bw
+                continue
             begin = max(now, h2d_free)
             reload_start[ordinal].append(begin)
-            h2d_free = begin + entries[ordinal][1] / h2d_bw
+            h2d_free = begin + size / h2d_bw
             wait += h2d_free - now
             now = h2d_free
         start[index] = now
@@ -289,6 +324,15 @@ def simulate(
 
     intervals: list[Interval] = []
     host_spans: list[tuple[float, float, int]] = []
+    disk_spans: list[tuple[float, float, int]] = []
+
+    def _hold(ordinal: int, finish: float, nbytes: int) -> None:
+        """Where the offloaded copy of ``ordinal`` is kept, from its copy out to ``finish``."""
+        if ordinal in spill:  # its staging copy, freed once written, is not counted
+            disk_spans.append((out_start[ordinal], finish, nbytes))
+        else:
+            host_spans.append((out_start[ordinal], finish, nbytes))
+
     offloaded_storages = {storage_of[i]: i for i in offload}
     recomputed_storages = {entries[i][0]: i for i in recompute}
     for record in trace.storages:
@@ -311,7 +355,7 @@ def simulate(
         moved = offloaded_storages.get(record.id)
         if moved is not None and record.alloc_op < 0:
             # Held outside autograd since before the step (an input): the copy frees nothing.
-            host_spans.append((out_start[moved], finish, record.nbytes))
+            _hold(moved, finish, record.nbytes)
             moved = None
         if moved is None:
             intervals.append(Interval(record.id, record.nbytes, begin, finish, record.kind))
@@ -331,7 +375,7 @@ def simulate(
             ]
             for begin_s, end_s_ in zip(starts, ends, strict=True):
                 intervals.append(Interval(record.id, record.nbytes, begin_s, end_s_, "reloaded"))
-        host_spans.append((out_start[moved], finish, record.nbytes))
+        _hold(moved, finish, record.nbytes)
 
     times, device, host, peak_tensor, peak_at = _sweep(intervals, host_spans, spec)
     peak_rounded = max(device, default=0)
@@ -354,7 +398,21 @@ def simulate(
         intervals=tuple(intervals),
         recomputed_bytes=sum(entries[i][1] for i in recompute),
         recompute_s=recompute_s,
+        disk_peak_bytes=_span_peak(disk_spans),
     )
+
+
+def _span_peak(spans: Iterable[tuple[float, float, int]]) -> int:
+    """Most bytes held at once by ``(start, end, bytes)`` spans; frees first at equal times."""
+    changes = sorted(
+        [(begin, 1, nbytes) for begin, _, nbytes in spans]
+        + [(finish, 0, -nbytes) for _, finish, nbytes in spans]
+    )
+    total = peak = 0
+    for _, _, delta in changes:
+        total += delta
+        peak = max(peak, total)
+    return peak
 
 
 def _sweep(

@@ -13,9 +13,53 @@ from lms.analysis.simulate import SimResult, simulate
 from lms.errors import PlanInfeasibleError
 from lms.plan import Plan
 
-__all__ = ["Checker", "entry_distances"]
+__all__ = ["Checker", "entry_distances", "host_spans", "place_spill"]
 
 log = logging.getLogger("lms.planning")
+
+
+def host_spans(trace: Trace) -> list[tuple[int, int, int]]:
+    """For each entry, the ops over which an offloaded copy of it is held: from its save to the
+    op after which its storage is freed (the end of the step if never), and its bytes."""
+    free_op = {record.id: record.free_op for record in trace.storages}
+    end = len(trace.ops)
+    spans = []
+    for storage, nbytes, save_op in trace.entries():
+        last = free_op.get(storage)
+        spans.append((save_op, end if last is None else min(last, end), nbytes))
+    return spans
+
+
+def place_spill(
+    spans: list[tuple[int, int, int]], offload: Iterable[int], limit_bytes: int, num_ops: int
+) -> tuple[int, ...]:
+    """Offloaded entries to send to disk so that the copies held in host memory never exceed
+    ``limit_bytes``.
+
+    Note: [Spill what backward needs last]
+    Wherever host memory would overflow, the entry held there that was saved first goes to disk:
+    backward reads it last, so its slower read has the most time to hide behind compute, and
+    the entries saved last (read first, with the least time to come back) stay in host memory.
+    """
+    held = [0] * (num_ops + 1)
+    chosen = sorted(set(offload))
+    for ordinal in chosen:
+        begin, end, nbytes = spans[ordinal]
+        for op in range(begin, end + 1):
+            held[op] += nbytes
+    spilled: list[int] = []
+    remaining = list(chosen)  # in save order: the first saved first
+    while remaining:
+        peak = max(range(len(held)), key=held.__getitem__)
+        if held[peak] <= limit_bytes:
+            break
+        victim = next(i for i in remaining if spans[i][0] <= peak <= spans[i][1])
+        remaining.remove(victim)
+        spilled.append(victim)
+        begin, end, nbytes = spans[victim]
+        for op in range(begin, end + 1):
+            held[op] -= nbytes
+    return tuple(sorted(spilled))
 
 
 def entry_distances(trace: Trace) -> list[float]:
@@ -50,6 +94,14 @@ class Checker:
     def __post_init__(self) -> None:
         self.fingerprint = self.trace.fingerprint()
         self.num_entries = len(self.trace.entries())
+        self._host_spans = host_spans(self.trace)
+
+    def spill_for(self, offload: Iterable[int]) -> tuple[int, ...]:
+        """Which of ``offload`` go to disk so that host memory holds the rest: `place_spill`."""
+        limit = self.spec.host_memory_bytes
+        if not self.spec.spills or limit is None:
+            return ()
+        return place_spill(self._host_spans, offload, limit, len(self.trace.ops) + 1)
 
     def plan(
         self,
@@ -65,6 +117,7 @@ class Checker:
         return Plan(
             fingerprint=self.fingerprint,
             offload=tuple(sorted(chosen)),
+            spill=self.spill_for(chosen),
             refetch=tuple(sorted(self.refetch & chosen)),
             recompute=tuple(sorted(remade)),
             num_entries=self.num_entries,

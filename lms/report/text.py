@@ -53,6 +53,12 @@ def info_lines(
             f"({format_bytes(planned.recomputed_bytes)}, "
             f"{planned.recompute_s * 1e3:.1f} ms of extra compute)"
         )
+    if plan.spill:
+        lines.append(
+            f"[LMS] Host memory ({format_bytes(spec.host_memory_bytes or 0)}) is short: "
+            f"{len(plan.spill)} offloaded storages go to spill files instead "
+            f"({format_bytes(planned.disk_peak_bytes)} on disk at most), the first saved first"
+        )
     if plan.refetch:
         lines.append(
             f"[LMS] Read {len(plan.refetch)} offloaded storages back for each use in backward "

@@ -85,6 +85,7 @@ class _Step:
         self.offload_set: set[int] | None = None
         self.refetch_set: set[int] | None = None
         self.recompute_set: set[int] | None = None
+        self.spill_set: set[int] | None = None
         self.use_queue: list[Entry] | None = None
         self.use_pos: dict[int, int] = {}
         self.save_level: dict[int, int] = {}
@@ -124,6 +125,11 @@ class LMS:
         if config is not None and settings:
             raise ValueError("lms: pass either config= or settings, not both")
         self.config = config if config is not None else LMSConfig(**settings)
+        if plan is not None and plan.spill and self.config.tier == "host":
+            raise ValueError(
+                f"lms: the plan sends {len(plan.spill)} tensors to spill files but tier='host'; "
+                "use tier='auto', or tune with tier='host' for a plan that stays in host memory"
+            )
         self.plan = plan
         host_limit = self.config.host_budget
         if host_limit is None:
@@ -214,6 +220,8 @@ class LMS:
 
         Raises:
             PlanInfeasibleError: before any training, when no plan fits the budget.
+            HostMemoryError: with tier "host", when the offloaded data cannot fit in host memory.
+            SpillError: when the spill files the plan needs do not fit on the spill disk.
         """
         from lms.tuning import tune_plan
 
@@ -225,6 +233,9 @@ class LMS:
             min_offload_bytes=self.config.min_offload,
             autocast=autocast,
             cache_dir=cache_dir,
+            tier=self.config.tier,
+            host_budget_bytes=self._offloader.host_limit_bytes,
+            spill_dir=self.config.spill_dir,
         )
         self._offloader.sync_out = self.config.sync_out or self.plan.sync_mode in (1, 3)
         return self.plan
@@ -420,6 +431,15 @@ class LMS:
             step.offload_set = chosen
         return ordinal in step.offload_set
 
+    def _planned_spill(self, entry: Entry) -> bool:
+        """Whether the plan sends ``entry`` to a spill file rather than host memory."""
+        step = self._step
+        if self.plan is None or not self.plan.spill or step is None or step.diverged:
+            return False
+        if step.spill_set is None:
+            step.spill_set = set(self.plan.spill)
+        return entry.ordinal in step.spill_set
+
     def _evict(self, step: _Step) -> None:
         """Move the oldest resident entries out while the threshold or the budget demands it."""
         planned = step.offload_set is not None and not step.diverged
@@ -450,7 +470,7 @@ class LMS:
     def _offload(self, entry: Entry) -> None:
         base = entry.base() if entry.base is not None else None
         entry.copied_version = base._version if base is not None else None
-        self._offloader.offload(entry)
+        self._offloader.offload(entry, to_disk=self._planned_spill(entry))
         if entry.offloaded:
             self.stats.offloaded_tensors += 1
             self.stats.offloaded_bytes += entry.nbytes

@@ -131,12 +131,13 @@ class Offloader:
             self._disk_store()
 
     # -- out ---------------------------------------------------------------------------------
-    def offload(self, entry: Entry) -> None:
-        """Start moving ``entry`` out of device memory."""
+    def offload(self, entry: Entry, *, to_disk: bool = False) -> None:
+        """Start moving ``entry`` out of device memory (``to_disk``: to a spill file even when
+        host memory has room)."""
         assert entry.storage is not None and not entry.offloaded
         device = entry.device
         src = _as_bytes(entry.storage, device)
-        if not self._uses_disk(device):
+        if not self._uses_disk(device) and not to_disk:
             buf = self._pool_for(device).acquire(entry.nbytes)
             if buf is not None:
                 dst = buf[: entry.nbytes]

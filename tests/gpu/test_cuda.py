@@ -123,3 +123,28 @@ def test_recompute_plan_bitwise_on_cuda(deterministic_cudnn):
         assert offload.stats.recomputed_tensors == step * len(plan.recompute)
     assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
     offload.close()
+
+
+def test_planned_spill_goes_to_disk_and_the_rest_to_host(deterministic_cudnn, spill_dir):
+    from lms.analysis import trace_step
+    from lms.plan import Plan
+    from tests.planning.test_recompute import _resnet, _step
+
+    batch = [torch.randn(2, 3, 64, 64, device="cuda")]
+    torch.manual_seed(0)
+    trace = trace_step(_resnet, batch, _step, device="cuda", min_offload_bytes=0)
+    entries = trace.entries()
+    spill = tuple(range(0, len(entries), 2))
+    plan = Plan(
+        fingerprint=trace.fingerprint(),
+        offload=tuple(range(len(entries))),
+        spill=spill,
+        num_entries=len(entries),
+    )
+    model = _resnet().cuda()
+    ref = run_step(model, batch)
+    offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=spill_dir)
+    assert_bitwise(ref, run_step(model, batch, offload))
+    assert offload.stats.spilled_bytes == sum(entries[i][1] for i in spill)
+    assert offload.stats.peak_host_bytes > 0
+    offload.close()

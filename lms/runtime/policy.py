@@ -13,6 +13,7 @@ import math
 __all__ = ["StepRecord", "threshold_lag", "budget_offloads", "threshold_offloads", "reserve_bytes"]
 
 RESERVE_FACTOR = 4
+BACKWARD_RESERVE_FACTOR = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +49,14 @@ def threshold_lag(swapout_threshold: int) -> int:
     return max(0, math.ceil((swapout_threshold - 1) / 2))
 
 
-def reserve_bytes(largest_bytes: int) -> int:
-    """Device memory kept free for the running op and the gradients of backward."""
-    return RESERVE_FACTOR * largest_bytes
+def reserve_bytes(largest_bytes: int, *, backward: bool = False) -> int:
+    """Device memory kept free for the running op and the gradients of backward.
+
+    In forward (and at the turn to backward, where the loss's gradient meets the last saved
+    tensors) four times the largest saved tensor; once backward runs, three: the gradient in, the
+    gradient out and one temporary of the backward formula, the saved inputs being counted apart.
+    """
+    return (BACKWARD_RESERVE_FACTOR if backward else RESERVE_FACTOR) * largest_bytes
 
 
 def budget_offloads(nbytes: list[int] | tuple[int, ...], allowance_bytes: int) -> set[int]:

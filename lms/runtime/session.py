@@ -353,11 +353,13 @@ class LMS:
         )
         return entry
 
-    def _allowance(self, step: _Step) -> int | None:
+    def _allowance(self, step: _Step, *, backward: bool = False) -> int | None:
+        """Saved bytes (resident, plus brought back in ``backward``) the budget leaves room for."""
         budget = self.config.budget_bytes
         if budget is None:
             return None
-        return budget - (step.baseline_bytes or 0) - policy.reserve_bytes(step.largest_bytes)
+        reserve = policy.reserve_bytes(step.largest_bytes, backward=backward)
+        return budget - (step.baseline_bytes or 0) - reserve
 
     def _diverged(self, step: _Step, ordinal: int, what: str) -> None:
         step.diverged = True
@@ -570,7 +572,7 @@ class LMS:
         if position is None:
             return
         # A plan's prefetches were checked by the simulator: follow them as they are.
-        allowance = None if following else self._allowance(step)
+        allowance = None if following else self._allowance(step, backward=True)
         ahead = self.plan.swapin_ahead if following and self.plan else self.config.ahead
         started = 0
         for upcoming in queue[position + 1 :]:

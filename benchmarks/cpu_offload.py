@@ -50,37 +50,44 @@ def _model(torch, loss: str):
     return torch.nn.Sequential(*layers)
 
 
-def child(config: str, size: int, memory_format: str, loss: str, steps: int) -> dict:
+def _stepper(size: int, memory_format: str, loss: str):
+    """``step(ctx)``: one forward and backward of the seeded net and input, inside ``ctx``."""
     import contextlib
 
     import torch
-
-    import lms
-    from lms.bench.rss import PeakRSS
 
     torch.manual_seed(0)
     fmt = getattr(torch, memory_format)
     model = _model(torch, loss).to(memory_format=fmt)
     x = torch.randn(1, 3, size, size).contiguous(memory_format=fmt)
     label = torch.tensor([3])
-    settings = CONFIGS[config]
-    offload = lms.LMS(**settings) if settings is not None else None
 
-    def step() -> None:
+    def step(ctx=None) -> None:
         model.zero_grad(set_to_none=True)
-        with offload if offload is not None else contextlib.nullcontext():
+        with ctx if ctx is not None else contextlib.nullcontext():
             out = model(x)
             if loss == "classifier":
                 torch.nn.functional.cross_entropy(out, label).backward()
             else:
                 out.square().mean().backward()
 
-    step()  # warm-up; with LMS, the recorded step
+    return step
+
+
+def child(config: str, size: int, memory_format: str, loss: str, steps: int) -> dict:
+    import lms
+    from lms.bench.rss import PeakRSS
+
+    step = _stepper(size, memory_format, loss)
+    settings = CONFIGS[config]
+    offload = lms.LMS(**settings) if settings is not None else None
+
+    step(offload)  # warm-up; with LMS, the recorded step
     times, growths = [], []
     for _ in range(steps):
         with PeakRSS() as peak:
             start = time.perf_counter()
-            step()
+            step(offload)
             times.append(time.perf_counter() - start)
         growths.append(peak.growth_bytes)
     result = {
@@ -97,29 +104,15 @@ def child(config: str, size: int, memory_format: str, loss: str, steps: int) -> 
 
 def child_ab(size: int, memory_format: str, loss: str, steps: int) -> dict:
     """Alternate plain and roomy-LMS steps of one model in this process; their step times."""
-    import contextlib
-
-    import torch
-
     import lms
 
-    torch.manual_seed(0)
-    fmt = getattr(torch, memory_format)
-    model = _model(torch, loss).to(memory_format=fmt)
-    x = torch.randn(1, 3, size, size).contiguous(memory_format=fmt)
-    label = torch.tensor([3])
+    run = _stepper(size, memory_format, loss)
     roomy = lms.LMS(**CONFIGS["lms-roomy"])  # type: ignore[arg-type]
     times: dict[str, list[float]] = {"plain": [], "lms-roomy": []}
 
     def step(name: str) -> float:
-        model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        with roomy if name == "lms-roomy" else contextlib.nullcontext():
-            out = model(x)
-            if loss == "classifier":
-                torch.nn.functional.cross_entropy(out, label).backward()
-            else:
-                out.square().mean().backward()
+        run(roomy if name == "lms-roomy" else None)
         return time.perf_counter() - start
 
     step("plain"), step("lms-roomy")  # warm-up; the recorded step

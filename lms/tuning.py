@@ -107,12 +107,13 @@ def tune_plan(
     folder = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "lms", "plans")
     host = f"-host{spec.host_memory_bytes}" if spec.spills else ""
     path = os.path.join(folder, f"{trace.fingerprint()}-{budget}{host}.json")
-    if os.path.exists(path):
+    cached = os.path.exists(path)
+    if cached:
         plan = Plan.load(path)
-        log.info("[LMS] Loaded the plan for this step from %s", path)
-        return plan
-    choose: Any = planner or plan_auto
-    plan = choose(trace, spec, budget, half=autocast is not None)
+    else:
+        choose: Any = planner or plan_auto
+        plan = choose(trace, spec, budget, half=autocast is not None)
+    # A cached plan too: the host budget and the spill disk's free space may differ now.
     check_offload_room(
         trace,
         plan,
@@ -122,6 +123,9 @@ def tune_plan(
         spill_dir=spill_dir,
         spills=tier != "host",
     )
+    if cached:
+        log.info("[LMS] Loaded the plan for this step from %s", path)
+        return plan
     os.makedirs(folder, exist_ok=True)
     plan.save(path)
     log.info(

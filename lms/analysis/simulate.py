@@ -398,21 +398,8 @@ def simulate(
         intervals=tuple(intervals),
         recomputed_bytes=sum(entries[i][1] for i in recompute),
         recompute_s=recompute_s,
-        disk_peak_bytes=_span_peak(disk_spans),
+        disk_peak_bytes=max(_sweep((), disk_spans, spec)[2], default=0),
     )
-
-
-def _span_peak(spans: Iterable[tuple[float, float, int]]) -> int:
-    """Most bytes held at once by ``(start, end, bytes)`` spans; frees first at equal times."""
-    changes = sorted(
-        [(begin, 1, nbytes) for begin, _, nbytes in spans]
-        + [(finish, 0, -nbytes) for _, finish, nbytes in spans]
-    )
-    total = peak = 0
-    for _, _, delta in changes:
-        total += delta
-        peak = max(peak, total)
-    return peak
 
 
 def _sweep(

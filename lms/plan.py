@@ -28,6 +28,10 @@ class Plan:
     """Ordinals that backward recomputes from their forward ops instead of storing."""
     spill: tuple[int, ...] = ()
     """Offloaded ordinals that go to spill files rather than host memory (host memory short)."""
+    stash: tuple[int, ...] = ()
+    """Ordinals whose gradient junction is relieved: where the tensor feeds two operations, the
+    partial gradient that backward computes first waits off the device until the second is
+    summed with it (see `lms.runtime.junctions`)."""
     swapin_ahead: int = 2
     """Offloaded tensors brought back ahead of backward's use."""
     sync_mode: int = 0
@@ -59,6 +63,11 @@ class Plan:
                 f"lms: Plan.spill names ordinals {loose[:5]} that Plan.offload does not; "
                 "only offloaded tensors can go to disk"
             )
+        outside = [i for i in self.stash if not 0 <= i < self.num_entries]
+        if outside:
+            raise ValueError(
+                f"lms: Plan.stash names ordinals {outside[:5]} outside 0..{self.num_entries - 1}"
+            )
         stray = sorted(set(self.refetch) - set(self.offload))
         if stray:
             raise ValueError(
@@ -78,6 +87,7 @@ class Plan:
         data["refetch"] = tuple(data.get("refetch", ()))
         data["recompute"] = tuple(data.get("recompute", ()))
         data["spill"] = tuple(data.get("spill", ()))
+        data["stash"] = tuple(data.get("stash", ()))
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> None:

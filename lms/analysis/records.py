@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-__all__ = ["OpRecord", "StorageRecord", "SavedEvent", "Trace"]
+__all__ = ["OpRecord", "StorageRecord", "SavedEvent", "JunctionRecord", "Trace"]
 
 Phase = Literal["forward", "backward", "optimizer"]
 Kind = Literal["param", "buffer", "input", "activation", "gradient", "state"]
@@ -75,6 +75,27 @@ class SavedEvent:
 
 
 @dataclasses.dataclass(frozen=True)
+class JunctionRecord:
+    """A saved tensor that feeds two operations: where its two partial gradients met in backward.
+
+    See `lms.runtime.junctions`.
+    """
+
+    storage: int
+    """The saved storage (its entry names the junction in `lms.Plan.stash`)."""
+    grad: int
+    """Storage of the partial gradient that arrived first."""
+    nbytes: int
+    """Its bytes."""
+    arrive_op: int
+    """Index of the first op after that partial was made."""
+    join_op: int
+    """Index of the first op of the producer's backward, where the partials are summed."""
+    merged: int
+    """Storage of the sum the producer received (the first partial's, when summed in place)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Trace:
     """Everything one traced training step did, in order."""
 
@@ -95,6 +116,8 @@ class Trace:
     """Topological levels of the op graph (longest producer-to-consumer chain)."""
     num_edges: int
     min_offload_bytes: int
+    junctions: tuple[JunctionRecord, ...] = ()
+    """Gradient junctions of saved tensors, in first-save order of those tensors."""
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -113,6 +136,11 @@ class Trace:
             if event.kind == "save" and event.offloadable and event.storage not in seen:
                 seen[event.storage] = (event.storage, event.nbytes, event.op)
         return list(seen.values())
+
+    def junction_ordinals(self) -> dict[int, JunctionRecord]:
+        """The junctions by the ordinal of their saved entry."""
+        ordinal = {storage: i for i, (storage, _, _) in enumerate(self.entries())}
+        return {ordinal[j.storage]: j for j in self.junctions if j.storage in ordinal}
 
     def first_use_op(self) -> dict[int, int]:
         """For each saved storage, the op index of its first read in backward."""

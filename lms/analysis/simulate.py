@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from lms.analysis.devices import DeviceSpec
 from lms.analysis.recompute import recipes
-from lms.analysis.records import Trace
+from lms.analysis.records import JunctionRecord, Trace
 from lms.plan import Plan
 from lms.runtime import policy
 
@@ -66,6 +66,10 @@ class SimResult:
     """Time spent recomputing them."""
     disk_peak_bytes: int = 0
     """Peak of bytes in spill files: the plan's ``spill`` entries, staged through host memory."""
+    relieved_junctions: int = 0
+    """Gradient junctions whose first partial waited off the device (the plan's ``stash``)."""
+    relieved_bytes: int = 0
+    """Bytes of those partials."""
 
     @property
     def overhead(self) -> float:
@@ -184,6 +188,15 @@ def simulate(
             recompute_at.setdefault(use_op, []).append(ordinal)
     recompute_start: dict[int, float] = {}
     recompute_s = 0.0
+    # Gradient junctions relieved: the first partial goes out when made, comes back to be summed.
+    relieved = _relieved(trace, plan)
+    takes_at: dict[int, list[int]] = {}
+    joins_at: dict[int, list[int]] = {}
+    for ordinal, junction in relieved.items():
+        takes_at.setdefault(junction.arrive_op, []).append(ordinal)
+        joins_at.setdefault(junction.join_op, []).append(ordinal)
+    taken: dict[int, tuple[float, float]] = {}  # copy out: start, done
+    rejoined: dict[int, tuple[float, float]] = {}  # copy in: start, done
 
     # Prefetch triggers: the use of the offloaded entry `ahead` places earlier in use order.
     used = sorted((first_use[storage_of[i]], i) for i in offload if storage_of[i] in first_use)
@@ -280,6 +293,13 @@ def simulate(
                 done, _ = pending.pop(0)
                 wait += max(done - now, 0.0)
                 now = max(now, done)
+        for ordinal in takes_at.get(index, ()):
+            begin = max(now, d2h_free)
+            d2h_free = begin + relieved[ordinal].nbytes / d2h_bw
+            taken[ordinal] = (begin, d2h_free)
+            if sync_out:  # the runtime waits for every copy out, these too
+                wait += d2h_free - now
+                now = d2h_free
         for ordinal in issues_at.get(index, ()):
             if ordinal not in in_done:
                 load(ordinal)
@@ -310,6 +330,12 @@ def simulate(
             h2d_free = begin + size / h2d_bw
             wait += h2d_free - now
             now = h2d_free
+        for ordinal in joins_at.get(index, ()):
+            begin = max(now, h2d_free, taken[ordinal][1])
+            h2d_free = begin + relieved[ordinal].nbytes / h2d_bw
+            rejoined[ordinal] = (now, h2d_free)
+            wait += h2d_free - now
+            now = h2d_free
         start[index] = now
         if index < len(trace.ops):
             now += seconds[index]
@@ -335,9 +361,26 @@ def simulate(
 
     offloaded_storages = {storage_of[i]: i for i in offload}
     recomputed_storages = {entries[i][0]: i for i in recompute}
+    partials = {j.grad: i for i, j in relieved.items()}
+    sums = {j.merged: i for i, j in relieved.items()}
+    for ordinal, junction in relieved.items():
+        host_spans.append((taken[ordinal][0], rejoined[ordinal][1], junction.nbytes))
     for record in trace.storages:
         begin = 0.0 if record.alloc_op < 0 else start[record.alloc_op]
         finish = op_end(record.free_op)
+        if record.id in partials or record.id in sums:
+            ordinal = partials.get(record.id, sums.get(record.id, -1))
+            junction = relieved[ordinal]
+            if record.id == junction.grad:  # on the device until copied out and read
+                last = _last_read(trace, junction)
+                out = max(taken[ordinal][1], op_end(last))
+                intervals.append(Interval(record.id, record.nbytes, begin, out, record.kind))
+            # The sum is made in the copy brought back: from its load to the sum's end.
+            if record.id == junction.merged:
+                intervals.append(
+                    Interval(record.id, record.nbytes, rejoined[ordinal][0], finish, "reloaded")
+                )
+            continue
         remade = recomputed_storages.get(record.id)
         if remade is not None:
             intervals.append(
@@ -399,7 +442,35 @@ def simulate(
         recomputed_bytes=sum(entries[i][1] for i in recompute),
         recompute_s=recompute_s,
         disk_peak_bytes=max(_sweep((), disk_spans, spec)[2], default=0),
+        relieved_junctions=len(relieved),
+        relieved_bytes=sum(j.nbytes for j in relieved.values()),
     )
+
+
+def _relieved(trace: Trace, plan: Plan | None) -> dict[int, JunctionRecord]:
+    """The plan's relieved junctions that the trace saw, by ordinal; each storage in one only."""
+    if plan is None or not plan.stash:
+        return {}
+    known = trace.junction_ordinals()
+    chosen: dict[int, JunctionRecord] = {}
+    used: set[int] = set()
+    for ordinal in sorted(plan.stash):
+        junction = known.get(ordinal)
+        if junction is None or {junction.grad, junction.merged} & used:
+            continue
+        used |= {junction.grad, junction.merged}
+        chosen[ordinal] = junction
+    return chosen
+
+
+def _last_read(trace: Trace, junction: JunctionRecord) -> int:
+    """The last op before the sum that reads the first partial (the op that made it if none)."""
+    last = junction.arrive_op - 1
+    for index in range(junction.arrive_op, junction.join_op):
+        op = trace.ops[index]
+        if junction.grad in op.inputs and junction.merged not in op.outputs:
+            last = index
+    return last
 
 
 def _sweep(

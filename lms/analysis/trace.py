@@ -20,8 +20,9 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lms.analysis.records import OpRecord, SavedEvent, StorageRecord, Trace
+from lms.analysis.records import JunctionRecord, OpRecord, SavedEvent, StorageRecord, Trace
 from lms.config import AUTO_MIN_OFFLOAD_BYTES
+from lms.runtime import junctions
 
 __all__ = ["trace_step", "default_step", "StepFn"]
 
@@ -65,6 +66,10 @@ class _Recorder(TorchDispatchMode):
         self.seen_backward = False
         self.names: dict[int, str] = {}
         self.stack: list[str] = []
+        self.edges_of: dict[junctions.Edge, int] = {}
+        self.walked = False
+        self.arrivals: dict[int, tuple[int, int, int]] = {}
+        self.joined: list[JunctionRecord] = []
 
     # -- modules -----------------------------------------------------------------------------
     def name_modules(self, model: torch.nn.Module) -> None:
@@ -191,9 +196,16 @@ class _Recorder(TorchDispatchMode):
         self.events.append(
             SavedEvent(self.level, len(self.ops), "save", sid, self.nbytes[sid], offloadable)
         )
+        edge = junctions.edge_of(tensor) if offloadable else None
+        if edge is not None and sid not in self.edges_of.values():
+            self.edges_of.setdefault(edge, sid)
         return tensor
 
     def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.walked and torch._C._current_graph_task_id() != -1:
+            self.walked = True
+            root = torch._C._current_autograd_node()
+            junctions.attach(self.edges_of, root, self.arrive, self.join)
         self.level += 1
         sid, _ = self.storage_id(tensor)
         saved = next(e for e in reversed(self.events) if e.storage == sid and e.kind == "save")
@@ -201,6 +213,21 @@ class _Recorder(TorchDispatchMode):
             SavedEvent(self.level, len(self.ops), "use", sid, self.nbytes[sid], saved.offloadable)
         )
         return tensor
+
+    # -- gradient junctions: watched, left as the engine does them ---------------------------
+    def arrive(self, key: Any, partial: torch.Tensor) -> bool:
+        sid, _ = self.storage_id(partial)
+        self.arrivals[key] = (sid, self.nbytes[sid], len(self.ops))
+        return False
+
+    def join(self, key: Any, rest: torch.Tensor | None) -> None:
+        first = self.arrivals.pop(key, None)
+        if first is None or rest is None:
+            return None
+        grad, nbytes, arrive_op = first
+        merged, _ = self.storage_id(rest)
+        self.joined.append(JunctionRecord(key, grad, nbytes, arrive_op, len(self.ops), merged))
+        return None
 
 
 def _writes_inplace(func: Any) -> bool:
@@ -338,6 +365,7 @@ def trace_step(
         num_levels=max(recorder.op_level, default=0),
         num_edges=recorder.edges,
         min_offload_bytes=min_offload_bytes,
+        junctions=tuple(sorted(recorder.joined, key=lambda j: j.storage)),
     )
 
 

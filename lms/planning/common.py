@@ -90,6 +90,8 @@ class Checker:
     simulations: int = 0
     refetch: frozenset[int] = frozenset()
     """Entries read back per use in every plan that offloads them (set by `require_feasible`)."""
+    stash: frozenset[int] = frozenset()
+    """Gradient junctions relieved in every plan (set by `require_feasible`)."""
 
     def __post_init__(self) -> None:
         self.fingerprint = self.trace.fingerprint()
@@ -120,6 +122,7 @@ class Checker:
             spill=self.spill_for(chosen),
             refetch=tuple(sorted(self.refetch & chosen)),
             recompute=tuple(sorted(remade)),
+            stash=tuple(sorted(self.stash)),
             num_entries=self.num_entries,
             swapin_ahead=ahead,
             sync_mode=sync_mode,
@@ -144,27 +147,36 @@ class Checker:
     def require_feasible(self) -> tuple[Plan, SimResult]:
         """The smallest-memory plan (everything out, copies waited for); raises if it fails.
 
-        When even that does not fit, tensors that backward reads at several places are read back
-        for each use rather than held between uses; the fewest such that fit are kept in
-        `refetch` for the plans that follow.
+        When even that does not fit, the partial gradients that wait at gradient junctions go off
+        the device too, and then tensors that backward reads at several places are read back for
+        each use rather than held between uses. Of each, the fewest that fit are kept (in `stash`
+        and `refetch`) for the plans that follow.
         """
-        everything = range(self.num_entries)
-        best: tuple[Plan, SimResult] | None = None
-        for ahead, sync_mode in ((1, 0), (1, 1), (1, 3)):
-            plan = self.plan(everything, ahead=ahead, sync_mode=sync_mode, source="minimum")
-            result = self.run(plan)
-            if best is None or result.peak_bytes < best[1].peak_bytes:
-                best = (plan, result)
-            if self.fits(result):
-                return plan, result
-        found = self._fewest_refetches()
+        found, best = self._everything_out()
+        if found is None and self.trace.junctions:
+            self.stash = frozenset(self.trace.junction_ordinals())
+            found, relieved = self._everything_out()
+            if relieved[1].peak_bytes < best[1].peak_bytes:
+                best = relieved
+            found = found or self._fewest_refetches()
+            if found is None:
+                self.stash = frozenset()
+            else:
+                found = self._fewest_stashes(found)
+        found = found or self._fewest_refetches()
         if found is not None:
             return found
-        assert best is not None
-        plan, result = best
-        if self.refetch:
-            plan = self.plan(everything, ahead=1, sync_mode=3, source="minimum")
-            result = self.run(plan)
+        # Nothing fits: report the lowest peak that all of these together reach.
+        use_ops = self.trace.use_ops()
+        self.stash = frozenset(self.trace.junction_ordinals())
+        self.refetch = frozenset(
+            i
+            for i, (storage, _, _) in enumerate(self.trace.entries())
+            if len(use_ops.get(storage, ())) > 1
+        )
+        plan = self.plan(range(self.num_entries), ahead=1, sync_mode=3, source="minimum")
+        lowest = self.run(plan)
+        plan, result = (plan, lowest) if lowest.peak_bytes < best[1].peak_bytes else best
         op = self.trace.ops[result.peak_op] if self.trace.ops else None
         largest = self.trace.largest_op
         where = f"{op.name} at {op.module}" if op else "the step"
@@ -178,6 +190,47 @@ class Checker:
             op_bytes=largest.working_set_bytes,
             min_budget_bytes=result.peak_bytes,
         )
+
+    def _everything_out(self) -> tuple[tuple[Plan, SimResult] | None, tuple[Plan, SimResult]]:
+        """Everything offloaded, under each way of waiting for copies: the first that fits (or
+        None) and the one with the lowest peak."""
+        best: tuple[Plan, SimResult] | None = None
+        for ahead, sync_mode in ((1, 0), (1, 1), (1, 3)):
+            plan = self.plan(
+                range(self.num_entries), ahead=ahead, sync_mode=sync_mode, source="minimum"
+            )
+            result = self.run(plan)
+            if best is None or result.peak_bytes < best[1].peak_bytes:
+                best = (plan, result)
+            if self.fits(result):
+                return (plan, result), best
+        assert best is not None
+        return None, best
+
+    def _fewest_stashes(self, found: tuple[Plan, SimResult]) -> tuple[Plan, SimResult]:
+        """Back to leaving junctions to autograd, largest first, wherever the step still fits."""
+        plan = found[0]
+        junctions = self.trace.junction_ordinals()
+        for ordinal in sorted(self.stash, key=lambda i: -junctions[i].nbytes):
+            self.stash = self.stash - {ordinal}
+            trial = self.plan(
+                plan.offload,
+                ahead=plan.swapin_ahead,
+                sync_mode=plan.sync_mode,
+                source=plan.source,
+            )
+            result = self.run(trial)
+            if self.fits(result):
+                found = (trial, result)
+            else:
+                self.stash = self.stash | {ordinal}
+        log.info(
+            "[LMS] [Planner] %d of %d gradient junctions send their first partial gradient off"
+            " the device until the second arrives",
+            len(self.stash),
+            len(junctions),
+        )
+        return found
 
     def _fewest_refetches(self) -> tuple[Plan, SimResult] | None:
         """Everything out and read back per use, then back to holding between uses, smallest gap
@@ -197,6 +250,7 @@ class Checker:
 
         found = attempt()
         if found is None:
+            self.refetch = frozenset()
             return None
 
         def gap(ordinal: int) -> int:

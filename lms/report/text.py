@@ -64,6 +64,12 @@ def info_lines(
             f"[LMS] Read {len(plan.refetch)} offloaded storages back for each use in backward "
             "rather than holding them between uses"
         )
+    if planned.relieved_junctions:
+        lines.append(
+            f"[LMS] At {planned.relieved_junctions} gradient junctions the first partial "
+            f"gradient waits in host memory for the second ({format_bytes(planned.relieved_bytes)}"
+            " out and back)"
+        )
     lines += [
         f"[LMS] Predicted peak with LMS: {format_bytes(planned.peak_bytes)}, {fits} in "
         f"{format_bytes(budget_bytes)}; host memory for offloaded data: "

@@ -70,6 +70,14 @@ class SimResult:
     """Gradient junctions whose first partial waited off the device (the plan's ``stash``)."""
     relieved_bytes: int = 0
     """Bytes of those partials."""
+    backward_start_s: float = 0.0
+    """When the first backward op starts."""
+
+    def peak_after(self, time_s: float) -> tuple[int, int]:
+        """Device bytes just before ``time_s`` and their peak from then on."""
+        before = [b for t, b in zip(self.timeline_s, self.device_bytes, strict=True) if t < time_s]
+        after = [b for t, b in zip(self.timeline_s, self.device_bytes, strict=True) if t >= time_s]
+        return (before[-1] if before else 0), max(after, default=0)
 
     @property
     def overhead(self) -> float:
@@ -444,6 +452,7 @@ def simulate(
         disk_peak_bytes=max(_sweep((), disk_spans, spec)[2], default=0),
         relieved_junctions=len(relieved),
         relieved_bytes=sum(j.nbytes for j in relieved.values()),
+        backward_start_s=start[min(trace.backward_start_op, len(trace.ops))],
     )
 
 

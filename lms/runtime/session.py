@@ -18,9 +18,9 @@ import torch
 
 from lms._units import format_bytes
 from lms.config import LMSConfig
-from lms.errors import StepAbortedError
+from lms.errors import HostMemoryError, StepAbortedError
 from lms.plan import Plan
-from lms.runtime import policy
+from lms.runtime import junctions, policy
 from lms.runtime.recompute import WriteLog, replay
 from lms.runtime.stats import LMSStats
 from lms.runtime.store import Entry, Offloader
@@ -90,6 +90,8 @@ class _Step:
         self.use_pos: dict[int, int] = {}
         self.save_level: dict[int, int] = {}
         self.baseline_bytes: int | None = None
+        self.junction_edges: dict[junctions.Edge, int] = {}
+        self.walked = False
 
     def owns(self, entry: Entry) -> bool:
         return entry.ordinal < len(self.entries) and self.entries[entry.ordinal] is entry
@@ -158,6 +160,7 @@ class LMS:
         self._warned_divergence = False
         self._writes: WriteLog | None = None
         self._back_bytes = 0  # bytes of offloaded storages brought back and not yet released
+        self._partials: dict[Any, tuple[Entry, tuple[Any, ...]]] = {}  # junction: copy, geometry
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
 
     # -- context ---------------------------------------------------------------------------
@@ -165,6 +168,7 @@ class LMS:
         if self._active:
             raise RuntimeError("lms: this LMS block is already active; steps do not nest")
         with self._lock:
+            self._drop_partials()
             previous = self._step
             if previous is not None and self._record is None and previous.entries:
                 self._record = previous.to_record()
@@ -243,11 +247,13 @@ class LMS:
     def close(self) -> None:
         """Release host buffers and spill files now (also done when the object is collected)."""
         with self._lock:
+            self._drop_partials()
             self._offloader.close()
 
     def _abort(self) -> None:
         """The step failed: discard offloaded copies, spill files and idle pinned buffers."""
         with self._lock:
+            self._drop_partials()
             entries = list(self._live.values())
             self._offloader.abort(entries)
             self._live.clear()
@@ -303,6 +309,7 @@ class LMS:
             ):
                 entry = self._new_entry(step, storage, tensor.device, base)
                 self._by_storage[slot] = (weakref.ref(storage), entry)
+                self._note_junction(step, entry, tensor)
             entry.handles += 1
             return _Handle(self, entry, tensor)
 
@@ -486,6 +493,9 @@ class LMS:
             )
 
     def _unpack(self, packed: Any) -> torch.Tensor:
+        step = self._step
+        if step is not None and step.junction_edges and not step.walked:
+            self._hook_junctions(step)
         if not isinstance(packed, _Handle):
             with self._lock:
                 if self._step is not None:
@@ -616,6 +626,85 @@ class LMS:
             if not self._active and not self._live:
                 self._offloader.tidy()
 
+    # -- gradient junctions -----------------------------------------------------------------
+    def _note_junction(self, step: _Step, entry: Entry, tensor: torch.Tensor) -> None:
+        """Remember the autograd edge of ``entry`` when the plan relieves its junction."""
+        if self.plan is None or not self.plan.stash or step.diverged:
+            return
+        if entry.ordinal in self.plan.stash:
+            edge = junctions.edge_of(tensor)
+            if edge is not None:
+                step.junction_edges.setdefault(edge, entry.ordinal)
+
+    def _hook_junctions(self, step: _Step) -> None:
+        """At the first read in backward: hook the plan's junctions in the graph it runs."""
+        if torch._C._current_graph_task_id() == -1:
+            return
+        step.walked = True
+        root = torch._C._current_autograd_node()
+        edges, step.junction_edges = step.junction_edges, {}
+        hooked = junctions.attach(edges, root, self._take_partial, self._join_partial)
+        if len(hooked) != len(edges):
+            log.info(
+                "[LMS] %d of the plan's %d gradient junctions are not junctions at run time; "
+                "autograd sums those as usual",
+                len(edges) - len(hooked),
+                len(edges),
+            )
+
+    def _take_partial(self, key: Any, partial: torch.Tensor) -> bool:
+        """Move the first partial gradient at junction ``key`` out; False leaves it to autograd."""
+        if (
+            type(partial) is not torch.Tensor
+            or torch.is_grad_enabled()  # a graph of the backward is being built
+            or partial.layout != torch.strided
+            or partial.device.type not in ("cpu", "cuda")
+            or partial.untyped_storage().nbytes() < max(self.config.min_offload, 1)
+        ):
+            return False
+        with self._lock:
+            entry = Entry(self._next_key, -1, partial.untyped_storage(), partial.device)
+            self._next_key += 1
+            try:
+                self._offloader.offload(entry)
+            except HostMemoryError:
+                return False
+            if not entry.offloaded:
+                return False
+            geometry = (partial.dtype, partial.storage_offset(), partial.size(), partial.stride())
+            self._partials[key] = (entry, geometry)
+            self.stats.relieved_partials += 1
+            self.stats.relieved_bytes += entry.nbytes
+        return True
+
+    def _join_partial(self, key: Any, rest: torch.Tensor | None) -> torch.Tensor | None:
+        """Bring the partial taken at ``key`` back and add the engine's sum of the other to it."""
+        with self._lock:
+            held = self._partials.pop(key, None)
+            if held is None:
+                return None
+            entry, geometry = held
+            try:
+                storage, waited = self._offloader.fetch(entry)
+            finally:
+                self._offloader.release(entry)
+            self.stats.wait_s += waited
+            self.stats.reloaded_bytes = self._offloader.loaded_bytes
+        dtype, offset, size, stride = geometry
+        back = torch.empty(0, dtype=dtype, device=entry.device).set_(storage, offset, size, stride)
+        if rest is None:
+            return back
+        # first + second, as autograd would have summed them; in place where that is safe.
+        if rest.shape == back.shape and rest.dtype == back.dtype and _dense(back):
+            return back.add_(rest)
+        return back + rest
+
+    def _drop_partials(self) -> None:
+        """Free the copies of partial gradients that no backward came back for."""
+        partials, self._partials = self._partials, {}
+        for entry, _ in partials.values():
+            self._offloader.release(entry)
+
     # -- report ----------------------------------------------------------------------------
     def _log_step(self, step: _Step) -> None:
         log.info(
@@ -635,3 +724,12 @@ class LMS:
         """The folder holding this runtime's spill files, while it has one."""
         disk = self._offloader.disk
         return disk.folder if disk is not None else None
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` covers its elements once each, so adding into it in place is safe."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    if tensor.is_contiguous():
+        return True
+    layout = formats.get(tensor.dim())
+    return layout is not None and tensor.is_contiguous(memory_format=layout)

@@ -29,6 +29,10 @@ class LMSStats:
     """Storages dropped in forward and recomputed in backward, as the plan said."""
     recomputed_bytes: int = 0
     """Their bytes (counted once per storage, not per recompute)."""
+    relieved_partials: int = 0
+    """Partial gradients that waited off the device at a gradient junction, as the plan said."""
+    relieved_bytes: int = 0
+    """Their bytes."""
     prefetched_bytes: int = 0
     """Bytes brought back ahead of their use."""
     reloaded_bytes: int = 0

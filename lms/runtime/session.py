@@ -496,6 +496,9 @@ class LMS:
         step = self._step
         if step is not None and step.junction_edges and not step.walked:
             self._hook_junctions(step)
+        if self._partials:  # a partial gradient's device memory goes once its copy is done
+            with self._lock:
+                self._offloader.poll()
         if not isinstance(packed, _Handle):
             with self._lock:
                 if self._step is not None:

@@ -148,3 +148,55 @@ def test_planned_spill_goes_to_disk_and_the_rest_to_host(deterministic_cudnn, sp
     assert offload.stats.spilled_bytes == sum(entries[i][1] for i in spill)
     assert offload.stats.peak_host_bytes > 0
     offload.close()
+
+
+@pytest.mark.parametrize("sync_mode", [0, 3])
+def test_relieved_junctions_bitwise_and_lower_backward_peak_on_cuda(deterministic_cudnn, sync_mode):
+    """The first partial gradient at each residual junction waits in pinned host memory."""
+    import dataclasses
+
+    from lms.analysis import simulate, trace_step
+    from lms.analysis.devices import device_spec
+    from tests.runtime.test_junctions import Residual, _everything_out, step
+
+    x = torch.randn(1, 3, 1024, 1024, device="cuda")
+    torch.manual_seed(0)
+    trace = trace_step(Residual, [x], step, device="cuda", min_offload_bytes=0)
+    held = dataclasses.replace(_everything_out(trace), sync_mode=sync_mode)
+    relieved = dataclasses.replace(held, stash=tuple(trace.junction_ordinals()))
+    torch.manual_seed(0)
+    model = Residual().cuda()
+    mean = lambda out: out.mean()  # noqa: E731
+    ref = run_step(model, (x,), loss_fn=mean)
+
+    def backward_growth(plan):
+        offload = lms.LMS(plan=plan, min_offload_bytes=0)
+        growth = []
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            with offload:
+                loss = model(x).mean()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start = torch.cuda.memory_allocated()
+                loss.backward()
+                torch.cuda.synchronize()
+            growth.append(torch.cuda.max_memory_allocated() - start)
+            assert_bitwise(ref, (loss.detach(), [p.grad.clone() for p in model.parameters()]))
+        offload.close()
+        return min(growth), offload.stats
+
+    held_growth, _ = backward_growth(held)
+    relieved_growth, stats = backward_growth(relieved)
+    assert stats.relieved_partials == 2 * len(relieved.stash)
+    spec = device_spec("h100-80gb")
+
+    def simulated_growth(plan):
+        result = simulate(trace, plan, spec)
+        before, peak = result.peak_after(result.backward_start_s)
+        return peak - before
+
+    expected = [simulated_growth(plan) for plan in (held, relieved)]
+    activation = 16 * 1024 * 1024 * 4
+    assert held_growth - relieved_growth >= 0.8 * activation, (held_growth, relieved_growth)
+    print("backward growth measured", held_growth, relieved_growth, "simulated", expected)

@@ -1,6 +1,7 @@
 """Gradient junctions: the first partial gradient of a tensor with two consumers waits off the
 device; traced, simulated, planned, and run bit for bit."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -113,9 +114,11 @@ def test_planner_relieves_junctions_only_when_nothing_else_fits():
 
 
 @pytest.mark.parametrize("retain", [False, True])
-def test_runtime_relieves_junctions_bitwise(spill_dir, retain):
+@pytest.mark.parametrize("sync_mode", [0, 3])
+def test_runtime_relieves_junctions_bitwise(spill_dir, retain, sync_mode):
     trace = _trace()
     plan = _everything_out(trace, trace.junction_ordinals())
+    plan = dataclasses.replace(plan, sync_mode=sync_mode)
     torch.manual_seed(0)
     model, inputs = Residual(), (torch.randn(1, 3, 256, 256),)
     mean = lambda out: out.mean()  # noqa: E731

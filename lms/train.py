@@ -194,6 +194,8 @@ def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:
         "offload": len(plan.offload),
         "recompute": len(plan.recompute),
         "refetch": len(plan.refetch),
+        "spill": len(plan.spill),
+        "stash": len(plan.stash),
         "entries": plan.num_entries,
     }
 

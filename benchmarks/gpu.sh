@@ -36,7 +36,7 @@ info = {'gpu': torch.cuda.get_device_name(0), 'torch': torch.__version__,
         'd2h_gbps': d2h, 'h2d_gbps': h2d}
 print(info); json.dump(info, open('$out/link.json', 'w'), indent=2)
 " ;;
-    resnet50) sweep resnet50 resnet50 4000,4500,6000,8000,10000,11500 200 ;;
+    resnet50) sweep resnet50 resnet50 4000,4500,6000,8000,10000,12500 200 ;;
     resnet50_amp) sweep resnet50_amp resnet50 5500,6000,8000,11000,13000 150 --amp ;;
     unet3d) sweep unet3d unet3d 192,240,256,288,336,368 150 ;;
     deeplabv3) sweep deeplabv3 deeplabv3 800,1100,1400,2000 100 --batch-size 2 ;;

@@ -377,7 +377,7 @@ def simulate(
         begin = 0.0 if record.alloc_op < 0 else start[record.alloc_op]
         finish = op_end(record.free_op)
         if record.id in partials or record.id in sums:
-            ordinal = partials.get(record.id, sums.get(record.id, -1))
+            ordinal = partials[record.id] if record.id in partials else sums[record.id]
             junction = relieved[ordinal]
             if record.id == junction.grad:  # on the device until copied out and read
                 last = _last_read(trace, junction)

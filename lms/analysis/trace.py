@@ -66,7 +66,7 @@ class _Recorder(TorchDispatchMode):
         self.seen_backward = False
         self.names: dict[int, str] = {}
         self.stack: list[str] = []
-        self.edges_of: dict[junctions.Edge, int] = {}
+        self.edge_of: dict[int, junctions.Edge] = {}  # storage: edge when first saved
         self.walked = False
         self.arrivals: dict[int, tuple[int, int, int]] = {}
         self.joined: list[JunctionRecord] = []
@@ -196,16 +196,19 @@ class _Recorder(TorchDispatchMode):
         self.events.append(
             SavedEvent(self.level, len(self.ops), "save", sid, self.nbytes[sid], offloadable)
         )
-        edge = junctions.edge_of(tensor) if offloadable else None
-        if edge is not None and sid not in self.edges_of.values():
-            self.edges_of.setdefault(edge, sid)
+        edge = junctions.edge_of(tensor) if offloadable and sid not in self.edge_of else None
+        if edge is not None:
+            self.edge_of[sid] = edge
         return tensor
 
     def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self.walked and torch._C._current_graph_task_id() != -1:
             self.walked = True
             root = torch._C._current_autograd_node()
-            junctions.attach(self.edges_of, root, self.arrive, self.join)
+            edges: dict[junctions.Edge, int] = {}
+            for sid, edge in self.edge_of.items():
+                edges.setdefault(edge, sid)
+            junctions.attach(edges, root, self.arrive, self.join)
         self.level += 1
         sid, _ = self.storage_id(tensor)
         saved = next(e for e in reversed(self.events) if e.storage == sid and e.kind == "save")

@@ -156,27 +156,14 @@ class Checker:
         if found is None and self.trace.junctions:
             self.stash = frozenset(self.trace.junction_ordinals())
             found, relieved = self._everything_out()
-            if relieved[1].peak_bytes < best[1].peak_bytes:
-                best = relieved
-            found = found or self._fewest_refetches()
-            if found is None:
-                self.stash = frozenset()
-            else:
-                found = self._fewest_stashes(found)
+            best = min(best, relieved, key=lambda pair: pair[1].peak_bytes)
         found = found or self._fewest_refetches()
         if found is not None:
-            return found
-        # Nothing fits: report the lowest peak that all of these together reach.
-        use_ops = self.trace.use_ops()
-        self.stash = frozenset(self.trace.junction_ordinals())
-        self.refetch = frozenset(
-            i
-            for i, (storage, _, _) in enumerate(self.trace.entries())
-            if len(use_ops.get(storage, ())) > 1
-        )
-        plan = self.plan(range(self.num_entries), ahead=1, sync_mode=3, source="minimum")
-        lowest = self.run(plan)
-        plan, result = (plan, lowest) if lowest.peak_bytes < best[1].peak_bytes else best
+            return self._fewest_stashes(found) if self.stash else found
+        result = best[1]
+        if self.refetch:  # nothing fits: the lowest peak is that of all of these together
+            everything = self.plan(range(self.num_entries), ahead=1, sync_mode=3, source="minimum")
+            result = min(result, self.run(everything), key=lambda sim: sim.peak_bytes)
         op = self.trace.ops[result.peak_op] if self.trace.ops else None
         largest = self.trace.largest_op
         where = f"{op.name} at {op.module}" if op else "the step"
@@ -250,7 +237,6 @@ class Checker:
 
         found = attempt()
         if found is None:
-            self.refetch = frozenset()
             return None
 
         def gap(ordinal: int) -> int:

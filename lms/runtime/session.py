@@ -657,13 +657,7 @@ class LMS:
 
     def _take_partial(self, key: Any, partial: torch.Tensor) -> bool:
         """Move the first partial gradient at junction ``key`` out; False leaves it to autograd."""
-        if (
-            type(partial) is not torch.Tensor
-            or torch.is_grad_enabled()  # a graph of the backward is being built
-            or partial.layout != torch.strided
-            or partial.device.type not in ("cpu", "cuda")
-            or partial.untyped_storage().nbytes() < max(self.config.min_offload, 1)
-        ):
+        if torch.is_grad_enabled() or self._keeps(partial):  # grad on: backward is recorded
             return False
         with self._lock:
             entry = Entry(self._next_key, -1, partial.untyped_storage(), partial.device)

@@ -188,9 +188,10 @@ class _Recorder(TorchDispatchMode):
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.level += 1
         sid, _ = self.storage_id(tensor)
+        base = tensor if tensor._base is None else tensor._base
         offloadable = not (
             sid in self.fixed
-            or (tensor.is_leaf and tensor.requires_grad)
+            or (base.is_leaf and base.requires_grad)  # a parameter, or a view of one
             or self.nbytes[sid] < max(self.min_offload_bytes, 1)
         )
         self.events.append(

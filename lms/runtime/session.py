@@ -242,6 +242,10 @@ class LMS:
             spill_dir=self.config.spill_dir,
         )
         self._offloader.sync_out = self.config.sync_out or self.plan.sync_mode in (1, 3)
+        # As in the trace, every parameter and buffer stays: also those the step reads without
+        # calling their module (a frozen attention's out_proj.weight, read by the functional op).
+        for tensor in [*model.parameters(), *model.buffers()]:
+            self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
         return self.plan
 
     def close(self) -> None:
@@ -276,7 +280,8 @@ class LMS:
             return True
         if type(tensor) is not torch.Tensor:  # parameters, subclasses, fake tensors
             return True
-        if tensor.is_leaf and tensor.requires_grad:
+        base = tensor if tensor._base is None else tensor._base
+        if base.is_leaf and base.requires_grad:  # a parameter, or a view of one (weight.t())
             return True
         if tensor.layout != torch.strided or tensor.is_conj() or tensor.is_neg():
             return True

@@ -1,5 +1,6 @@
 """Planner properties on small real graphs (chains, skips, branches) and a brute-force oracle."""
 
+import contextlib
 import itertools
 
 import pytest
@@ -10,6 +11,7 @@ import lms
 from lms.analysis import device_spec, simulate, trace_step
 from lms.plan import Plan
 from lms.planning import plan_auto, plan_greedy, tune_tflms
+from tests.conftest import assert_bitwise
 
 
 class Chain(nn.Module):
@@ -205,3 +207,33 @@ def test_divergence_is_reported_once_and_falls_back(tmp_path, caplog):
         with offload:
             model(torch.randn(64, 256)).sum().backward()
     assert caplog.text.count("falling back") == 1
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_transformer_step_follows_its_plan(tmp_path, caplog, frozen):
+    # Attention reads out_proj.weight without calling its module, and saves its transpose (a
+    # view of a parameter); the runtime must keep it, as the trace does, or the step diverges.
+    from lms.zoo import TinyLM, _lm_step
+
+    caplog.set_level("WARNING", logger="lms")
+    torch.manual_seed(0)
+    model = TinyLM(vocab=1000, dim=64, layers=2, heads=4)
+    if frozen:  # a frozen parameter's view is a leaf without grad: kept because tune saw it
+        for block in model.blocks:
+            block.self_attn.out_proj.weight.requires_grad_(False)
+    tokens, targets = torch.randint(0, 1000, (2, 64)), torch.randint(0, 1000, (2, 64))
+
+    def step(ctx):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            loss = _lm_step(model, [tokens, targets])
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    ref = step(contextlib.nullcontext())
+    offload = lms.LMS(budget="3MiB", min_offload_bytes=1024, spill_dir=str(tmp_path))
+    plan = offload.tune(model, [tokens, targets], _lm_step, cache_dir=str(tmp_path / "plans"))
+    assert plan.offload
+    for _ in range(2):
+        assert_bitwise(ref, step(offload))
+    assert "falling back" not in caplog.text
+    assert offload.stats.offloaded_tensors == 2 * len(plan.offload)

@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,7 +63,7 @@ def local_device_spec(device: torch.device) -> DeviceSpec:
 
 def tune_plan(
     model: torch.nn.Module,
-    batch: Sequence[torch.Tensor],
+    batch: Any,
     step_fn: StepFn | None,
     *,
     budget_bytes: int | None,

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,7 +125,7 @@ class Report:
 
 def analyze(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
-    batch: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]],
+    batch: Any,
     step_fn: StepFn | None = None,
     *,
     gpu_memory: int | str | None = None,
@@ -141,7 +141,7 @@ def analyze(
 
     Args:
         model: a module, or a function that builds one (built under fake tensors: no memory).
-        batch: the input tensors, or a function that makes them.
+        batch: the input tensors (as `trace_step` takes them), or a function that makes them.
         step_fn: ``step_fn(model, batch)`` runs forward, loss and backward.
         gpu_memory: device memory the step may use (default: the spec's whole memory).
         device_spec: a `DeviceSpec` or its name (see `lms.analysis.devices.DEVICES`).

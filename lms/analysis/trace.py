@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -26,7 +26,7 @@ from lms.runtime import junctions
 
 __all__ = ["trace_step", "default_step", "StepFn"]
 
-StepFn = Callable[[torch.nn.Module, Sequence[torch.Tensor]], Any]
+StepFn = Callable[[torch.nn.Module, Any], Any]
 _SKIP_OPS = {"aten.detach.default", "aten.alias.default", "prim.device.default"}
 
 
@@ -264,7 +264,7 @@ def _fake_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
 
 def trace_step(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
-    batch: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]],
+    batch: Any,
     step_fn: StepFn | None = None,
     *,
     device: str | torch.device | None = None,
@@ -278,7 +278,8 @@ def trace_step(
     Args:
         model: a module (its real parameters are swapped for fake ones while tracing and put
             back after), or a function that builds one (called under fake tensors on ``device``).
-        batch: the step's input tensors, or a function that makes them (under fake tensors).
+        batch: the step's input tensors (a tensor, or a list, tuple or dict of them, nested as the
+            step expects), or a function that makes them (under fake tensors).
         step_fn: ``step_fn(model, batch)`` runs forward, loss and backward; default:
             `default_step`.
         device: the device to pretend; default CUDA when there is one, else the CPU.
@@ -296,16 +297,20 @@ def trace_step(
         built = model() if callable(model) and not isinstance(model, torch.nn.Module) else model
         assert isinstance(built, torch.nn.Module)
         with _fake_state(built, target) if isinstance(model, torch.nn.Module) else _noop():
-            tensors = batch() if callable(batch) else batch
-            inputs = [
+            leaves, structure = tree_flatten(batch() if callable(batch) else batch)
+            leaves = [
                 torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
-                for t in tensors
+                if isinstance(t, torch.Tensor)
+                else t
+                for t in leaves
             ]
+            inputs = tree_unflatten(leaves, structure)  # the batch's own structure, faked
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
             opt = optimizer(built.parameters()) if optimizer is not None else None
-            input_shapes = tuple(tuple(t.shape) for t in inputs)
+            input_shapes = tuple(tuple(t.shape) for t in tensors)
             param_bytes = recorder.register(iter(built.parameters()), "param")
             buffer_bytes = recorder.register(iter(built.buffers()), "buffer")
-            input_bytes = recorder.register(iter(inputs), "input")
+            input_bytes = recorder.register(iter(tensors), "input")
             amp = torch.autocast(target.type, dtype=autocast) if autocast is not None else _noop()
             hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
             recorder.name_modules(built)
@@ -331,7 +336,7 @@ def trace_step(
                     for value in state.values():
                         if isinstance(value, torch.Tensor):
                             state_ids.add(recorder.storage_id(value)[0])
-            del opt, grads, inputs
+            del opt, grads, inputs, leaves, tensors
             gc.collect()
     backward_start = next(
         (op.index for op in recorder.ops if op.phase == "backward"), len(recorder.ops)

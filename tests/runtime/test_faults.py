@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import lms
 from lms.runtime import disk
-from tests.conftest import assert_bitwise, run_step, spill_files
+from tests.conftest import assert_bitwise, hooks_are_gone, run_step, spill_files
 
 ALL = dict(swapout_threshold=1, min_offload_bytes=0)
 
@@ -22,17 +22,6 @@ def model_and_input():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(128, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh())
     return model, (torch.randn(64, 128),)
-
-
-def hooks_are_gone():
-    """Nothing of the runtime is left registered with torch."""
-    from torch.nn.modules import module
-
-    probe = torch.randn(8, requires_grad=True)
-    out = probe.exp()  # saved under whatever hooks are still active
-    node = out.grad_fn
-    assert not module._global_forward_pre_hooks
-    return type(node._saved_result) is torch.Tensor
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,4 @@
+"""Framework integrations, one module each; each imports its framework itself.
+
+- `lms.integrations.lightning.LMSCallback`: a Lightning ``Trainer`` callback.
+"""

@@ -1,0 +1,141 @@
+"""`LMSCallback`: Large Model Support for a Lightning ``Trainer``, one line.
+
+    trainer = lightning.pytorch.Trainer(callbacks=[LMSCallback(budget="30GiB")])
+
+Each training batch (forward, loss, backward) runs in one `lms.LMS` block. With ``tune=True`` the
+first batch is traced with fake tensors and planned before it trains, so a budget that no plan fits
+raises `lms.PlanInfeasibleError` before any weight changes. Lightning is imported here only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lms.config import LMSConfig
+from lms.plan import Plan
+from lms.runtime.session import LMS
+
+__all__ = ["LMSCallback"]
+
+log = logging.getLogger("lms.integrations")
+
+_AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class LMSCallback(Callback):
+    """Offload saved activations of every training batch, following a tuned plan.
+
+    Args:
+        tune: trace and plan the first training batch before it runs (automatic optimization
+            only; with manual optimization the runtime's own policy decides).
+        cache_dir: where tuned plans are cached (default ``~/.cache/lms/plans``).
+        plan: follow this plan instead of tuning one.
+        **settings: `lms.LMS` settings: ``budget``, ``tier``, ``sync_mode``, ``spill_dir``, ...
+
+    Attributes:
+        lms: the `lms.LMS` of the current fit (its ``stats`` and ``plan``), None outside fit.
+    """
+
+    def __init__(
+        self,
+        *,
+        tune: bool = True,
+        cache_dir: str | None = None,
+        plan: Plan | None = None,
+        **settings: Any,
+    ):
+        super().__init__()
+        self.config = LMSConfig(**settings)  # checked now, not at the first batch
+        self.plan = plan
+        self.tune = tune and plan is None
+        self.cache_dir = cache_dir
+        self.lms: LMS | None = None
+        self._open = False
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.lms = LMS(config=self.config, plan=self.plan)
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        assert self.lms is not None, "setup() makes the LMS object before fit"
+        if self.tune and self.lms.plan is None:
+            self._tune(trainer, pl_module, batch, batch_idx)
+        self.lms.__enter__()
+        self._open = True
+
+    def on_train_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self._close(None)
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self._close(exception)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit" or self.lms is None:
+            return
+        self._close(None)
+        log.info("[LMS] fit ended: %s", self.lms.stats)
+        self.lms.close()
+
+    def _close(self, exception: BaseException | None) -> None:
+        if self._open and self.lms is not None:
+            self._open = False
+            error = type(exception) if exception is not None else None
+            self.lms.__exit__(error, exception, None)
+
+    def _tune(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        assert self.lms is not None
+        if not pl_module.automatic_optimization:
+            log.info(
+                "[LMS] manual optimization: not tuned; the runtime's own policy decides "
+                "what to offload"
+            )
+            return
+
+        def step(module: torch.nn.Module, fake_batch: Any) -> torch.Tensor:
+            with _quiet(pl_module):
+                out = module.training_step(fake_batch, batch_idx)  # type: ignore[operator]
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            loss.backward()
+            return loss
+
+        self.lms.tune(
+            pl_module,
+            batch,
+            step,
+            autocast=_AUTOCAST.get(str(trainer.precision)),
+            cache_dir=self.cache_dir,
+        )
+
+
+@contextlib.contextmanager
+def _quiet(module: LightningModule) -> Iterator[None]:
+    """While tracing, ``self.log`` calls keep fake values out of the trainer's logged results."""
+
+    def ignore(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    module.log = ignore  # type: ignore[method-assign]
+    module.log_dict = ignore  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log, module.log_dict

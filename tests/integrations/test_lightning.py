@@ -1,0 +1,155 @@
+"""The Lightning callback: a tuned plan followed in `Trainer.fit`, bitwise, and nothing left."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule, Trainer
+from torch.utils.data import DataLoader, Dataset
+
+import lms
+from lms.integrations.lightning import LMSCallback
+from tests.conftest import hooks_are_gone, spill_files
+
+
+class Images(Dataset):
+    """Dict batches, so the tuner traces the batch structure Lightning hands the step."""
+
+    def __init__(self, count=8, edge=64):
+        generator = torch.Generator().manual_seed(1)
+        self.images = torch.randn(count, 3, edge, edge, generator=generator)
+        self.labels = torch.randint(0, 10, (count,), generator=generator)
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return {"image": self.images[i], "label": self.labels[i]}
+
+
+class Net(LightningModule):
+    def __init__(self, fail_at=None, ctrl_c=False):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.Tanh(),
+        )
+        self.head = nn.Linear(16, 10)
+        self.fail_at = fail_at
+        self.ctrl_c = ctrl_c
+
+    def forward(self, x):
+        return self.head(self.features(x).mean((2, 3)))
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch["image"]), batch["label"])
+        if batch_idx == self.fail_at and self.ctrl_c:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: Lightning shuts down and exits 1
+        if batch_idx == self.fail_at:
+            raise RuntimeError("failed mid-step")
+        self.log("loss", loss)
+        return {"loss": loss}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(callbacks, model=None, precision="32-true"):
+    torch.manual_seed(0)
+    model = model or Net()
+    trainer = Trainer(
+        accelerator="cpu",
+        precision=precision,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, DataLoader(Images(), batch_size=2))
+    return model
+
+
+@pytest.mark.parametrize(("precision", "budget"), [("32-true", "2MiB"), ("bf16-mixed", "1.25MiB")])
+def test_fit_follows_the_tuned_plan_bitwise(tmp_path, caplog, precision, budget):
+    caplog.set_level("INFO", logger="lms")
+    plain = fit([], precision=precision)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    callback = LMSCallback(
+        budget=budget, min_offload_bytes=0, spill_dir=str(spill), cache_dir=str(tmp_path)
+    )
+    offloaded = fit([callback], precision=precision)
+    for a, b in zip(plain.state_dict().values(), offloaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    plan = callback.lms.plan
+    assert plan is not None and plan.offload  # tuned on the first batch, and it moves tensors
+    assert callback.lms.stats.steps == 3
+    assert callback.lms.stats.offloaded_tensors == 3 * len(plan.offload)
+    assert "falling back" not in caplog.text
+    assert spill_files(str(spill)) == []
+    assert hooks_are_gone()
+
+
+def test_infeasible_budget_fails_before_the_first_step(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    before = [p.clone() for p in model.parameters()]
+    callback = LMSCallback(budget="1KiB", spill_dir=str(tmp_path), cache_dir=str(tmp_path))
+    with pytest.raises(lms.PlanInfeasibleError, match="below"):
+        fit([callback], model)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert hooks_are_gone()
+
+
+def test_exception_mid_step_leaves_nothing(tmp_path):
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    callback = LMSCallback(
+        budget="2MiB", min_offload_bytes=0, spill_dir=str(spill), cache_dir=str(tmp_path)
+    )
+    with pytest.raises(RuntimeError, match="failed mid-step"):
+        fit([callback], Net(fail_at=1))
+    assert callback.lms.stats.offloaded_tensors > 0  # the failing step had moved tensors out
+    assert spill_files(str(spill)) == []
+    assert hooks_are_gone()
+
+
+def test_ctrl_c_mid_fit_leaves_no_spill_files(tmp_path):
+    # In a subprocess: Lightning ignores SIGINT for the rest of a process it shut down.
+    script = f"""
+        from tests.integrations.test_lightning import LMSCallback, Net, fit
+        net = Net(fail_at=1, ctrl_c=True)
+        fit([LMSCallback(budget="2MiB", min_offload_bytes=0, spill_dir={str(tmp_path)!r},
+                         cache_dir={str(tmp_path / "plans")!r})], net)
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True
+    )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "KeyboardInterrupt" in done.stderr
+    assert [f for f in spill_files(str(tmp_path)) if "plans" not in f] == []
+
+
+def test_bad_settings_fail_when_the_callback_is_made():
+    with pytest.raises(ValueError, match="sync_mode"):
+        LMSCallback(sync_mode=7)
+
+
+def test_import_lms_leaves_the_frameworks_unimported():
+    probe = "import sys, lms; print(sorted({m.split('.')[0] for m in sys.modules}))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    for framework in ("lightning", "pytorch_lightning", "torchvision", "monai", "matplotlib"):
+        assert f"'{framework}'" not in done.stdout

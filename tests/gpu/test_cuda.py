@@ -200,3 +200,24 @@ def test_relieved_junctions_bitwise_and_lower_backward_peak_on_cuda(deterministi
     activation = 16 * 1024 * 1024 * 4
     assert held_growth - relieved_growth >= 0.8 * activation, (held_growth, relieved_growth)
     print("backward growth measured", held_growth, relieved_growth, "simulated", expected)
+
+
+def test_lightning_fit_on_cuda_is_bitwise_and_under_its_budget(deterministic_cudnn, spill_dir):
+    from lms.integrations.lightning import LMSCallback
+    from tests.integrations.test_lightning import fit
+
+    def peak_of(callbacks):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        model = fit(callbacks, accelerator="gpu", edge=2048)  # 512 MiB an activation
+        torch.cuda.synchronize()
+        return model, torch.cuda.max_memory_allocated()
+
+    plain, plain_peak = peak_of([])
+    budget = int(0.8 * plain_peak)
+    callback = LMSCallback(budget=budget, min_offload_bytes=0, spill_dir=spill_dir)
+    offloaded, peak = peak_of([callback])
+    for a, b in zip(plain.state_dict().values(), offloaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert callback.lms.plan is not None and callback.lms.plan.offload
+    assert peak <= budget, (peak, budget, plain_peak)

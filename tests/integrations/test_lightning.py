@@ -65,11 +65,12 @@ class Net(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(callbacks, model=None, precision="32-true"):
+def fit(callbacks, model=None, precision="32-true", accelerator="cpu", edge=64):
     torch.manual_seed(0)
     model = model or Net()
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
+        devices=1,
         precision=precision,
         max_steps=3,
         logger=False,
@@ -78,7 +79,7 @@ def fit(callbacks, model=None, precision="32-true"):
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(model, DataLoader(Images(), batch_size=2))
+    trainer.fit(model, DataLoader(Images(edge=edge), batch_size=2))
     return model
 
 

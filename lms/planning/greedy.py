@@ -4,7 +4,8 @@ Start from the smallest-memory plan (every saved tensor out). Entries are ranked
 would sit on the device between their save and their first use in backward, times their bytes:
 those that cost least device memory per transfer avoided come first. A binary search finds the
 longest run of that ranking that can stay on the device, a greedy pass tries the rest one by one,
-and the prefetch distance is chosen last for the shortest predicted step. Last, offloaded tensors
+and the prefetch distance is chosen for the shortest predicted step. Then the largest offloaded
+tensors are traded for kept ones resident at the peak they would cause. Last, offloaded tensors
 that cheap ops made (BatchNorm, activations, elementwise arithmetic) are recomputed in backward
 instead of moved wherever that is predicted faster. Every step checks the
 candidate with the simulator, so the returned plan fits by construction.
@@ -13,7 +14,8 @@ candidate with the simulator, so the returned plan fits by construction.
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
+from typing import Any
 
 from lms.analysis.devices import DeviceSpec
 from lms.analysis.recompute import recipes
@@ -25,6 +27,8 @@ from lms.planning.common import Checker
 __all__ = ["plan_greedy"]
 
 log = logging.getLogger("lms.planning")
+_SWAP_TRIES = 4
+"""Kept entries tried in place of each offloaded one (the smallest that cover the excess)."""
 VARIANTS = ((1, 0), (2, 0), (4, 0), (8, 0), (1, 1), (2, 1), (1, 2), (1, 3))
 """(swapin_ahead, sync_mode) pairs the planner searches."""
 
@@ -35,9 +39,12 @@ def plan_greedy(
     budget_bytes: int,
     *,
     half: bool = False,
-    time_limit_s: float = 5.0,
+    max_simulations: int = 3000,
 ) -> Plan:
     """The plan with the shortest predicted step that fits ``budget_bytes``.
+
+    The search stops refining after ``max_simulations`` simulations (a count, not a time, so the
+    same step gives the same plan on any machine, however loaded).
 
     Raises:
         PlanInfeasibleError: when not even offloading everything fits.
@@ -57,7 +64,9 @@ def plan_greedy(
         return nbytes * (first_use.get(storage, horizon) - save_op)
 
     ranking = sorted(everything, key=pressure)
-    deadline = time.perf_counter() + time_limit_s
+
+    def spent() -> bool:
+        return checker.simulations >= max_simulations
 
     prefer = _cheaper_to_recompute(checker, half)
 
@@ -88,7 +97,7 @@ def plan_greedy(
                 high = middle - 1
         kept = set(ranking[:low])
         for ordinal in ranking[low:]:  # then one by one
-            if time.perf_counter() > deadline:
+            if spent():
                 break
             if evaluate(kept | {ordinal}, ahead, sync_mode) is not None:
                 kept.add(ordinal)
@@ -106,28 +115,14 @@ def plan_greedy(
     if best is None:
         return checker.finish(minimum_plan, minimum)
     step_s, kept, ahead, sync_mode, remake = best
-    # Swap one kept entry for one offloaded entry while that shortens the step (time-bounded).
-    improved = True
-    while improved and time.perf_counter() < deadline:
-        improved = False
-        for outside in sorted(set(everything) - kept, key=lambda i: -entries[i][1]):
-            for inside in sorted(kept, key=pressure, reverse=True):
-                if time.perf_counter() > deadline:
-                    break
-                trial = (kept - {inside}) | {outside}
-                trial_s = evaluate(trial, ahead, sync_mode)
-                if trial_s is not None and trial_s < step_s * 0.999:
-                    kept, step_s, improved = trial, trial_s, True
-                    break
-            if improved:
-                break
+    kept, step_s = _trade(checker, kept, step_s, ahead, sync_mode, remake, spent)
     offload = [i for i in everything if i not in kept]
     remade, step_s = _recompute_pass(
-        checker, offload, ahead, sync_mode, step_s, deadline, remake.intersection(offload)
+        checker, offload, ahead, sync_mode, step_s, spent, remake.intersection(offload)
     )
     # What recomputing freed may let more stay on the device.
     for ordinal in sorted(set(offload) - remade, key=pressure):
-        if time.perf_counter() > deadline + 2.0:
+        if spent():
             break
         fewer = [i for i in offload if i != ordinal]
         result = checker.run(
@@ -156,13 +151,71 @@ def plan_greedy(
     return checker.finish(plan, result)
 
 
+def _trade(
+    checker: Checker,
+    kept: set[int],
+    step_s: float,
+    ahead: int,
+    sync_mode: int,
+    remake: set[int],
+    spent: Callable[[], bool],
+) -> tuple[set[int], float]:
+    """Keep offloaded entries, largest first, while that shortens the step; where one no longer
+    fits, offload in its place a kept entry resident at the new peak and large enough to cover
+    the excess (the smallest few of those are tried). Rounds repeat while one improves."""
+    trace = checker.trace
+    entries = trace.entries()
+    everything = range(len(entries))
+    uses = trace.use_ops()
+    horizon = len(trace.ops)
+    resident = {  # from its save to its last read in backward, while kept
+        i: (save_op, (uses.get(storage) or [horizon])[-1])
+        for i, (storage, _, save_op) in enumerate(entries)
+    }
+
+    def run(keep: set[int]) -> Any:
+        offload = [i for i in everything if i not in keep]
+        plan = checker.plan(
+            offload,
+            ahead=ahead,
+            sync_mode=sync_mode,
+            source="planner",
+            recompute=remake.difference(keep),
+        )
+        return checker.run(plan)
+
+    improved = True
+    while improved and not spent():
+        improved = False
+        for outside in sorted(set(everything) - kept, key=lambda i: -entries[i][1]):
+            if spent():
+                break
+            trial = kept | {outside}
+            result = run(trial)
+            if not checker.fits(result):
+                excess, peak = result.peak_bytes - checker.budget_bytes, result.peak_op
+                room = [
+                    i
+                    for i in kept
+                    if entries[i][1] >= excess and resident[i][0] <= peak <= resident[i][1]
+                ]
+                for inside in sorted(room, key=lambda i: entries[i][1])[:_SWAP_TRIES]:
+                    result = run(trial - {inside})
+                    if checker.fits(result) and result.step_s < step_s * 0.999:
+                        trial = trial - {inside}
+                        break
+            if checker.fits(result) and result.step_s < step_s * 0.999:
+                kept, step_s, improved = trial, result.step_s, True
+    return kept, step_s
+
+
 def _recompute_pass(
     checker: Checker,
     offload: list[int],
     ahead: int,
     sync_mode: int,
     step_s: float,
-    deadline: float,
+    spent: Callable[[], bool],
     remade: set[int],
 ) -> tuple[set[int], float]:
     """Starting from ``remade``, recompute instead of moving, largest first, each offloaded
@@ -172,7 +225,7 @@ def _recompute_pass(
     sources = {source for ordinal in remade for source in found[ordinal].inputs}
     candidates = [i for i in offload if i in found]
     for ordinal in sorted(candidates, key=lambda i: -entries[i][1]):
-        if time.perf_counter() > deadline + 2.0:
+        if spent():
             break
         inputs = set(found[ordinal].inputs)
         if ordinal in remade or ordinal in sources or inputs & remade:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_bytes", "format_bytes"]
+__all__ = ["parse_bytes", "format_bytes", "format_rate"]
 
 _UNITS = {
     "": 1,
@@ -63,3 +63,11 @@ def format_bytes(nbytes: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
         size /= 1024.0
     return f"{size:.2f} TiB"
+
+
+def format_rate(per_s: float, unit: str) -> str:
+    """A data rate with an SI prefix that keeps three significant figures: "25.2 Mpixels/s"."""
+    for prefix, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if per_s >= 0.9995 * scale:  # what rounds to 1000 takes the next prefix
+            return f"{per_s / scale:.3g} {prefix}{unit}/s"
+    return f"{per_s:.3g} {unit}/s"

@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from lms._units import format_bytes
+from lms._units import format_bytes, format_rate
 from lms.bench.rss import PeakRSS
 from lms.runtime import LMS
 from lms.zoo import ZooModel, zoo_model
@@ -168,15 +168,14 @@ def train(
     if offload is not None:
         offload.close()
     log.info(
-        "[LMS] %s %dpx batch %d, %s: %.3f s/step, %.2f samples/s, %.3f M%s/s, peak %s%s",
+        "[LMS] %s size %d batch %d, %s: %.3f s/step, %.3g samples/s, %s, peak %s%s",
         model_name,
         size,
         result.batch_size,
         method,
         step_s,
         result.samples_per_s,
-        result.elements_per_s / 1e6,
-        entry.unit,
+        format_rate(result.elements_per_s, entry.unit),
         format_bytes(result.peak_bytes),
         "" if cuda else " (RSS growth)",
     )

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from lms.bench.compare import summarize
@@ -98,3 +99,18 @@ def test_cli_train_infeasible_budget_fails_before_training(capsys):
     )
     assert code == 2
     assert "raise the budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("per_s", "unit", "text"),
+    [
+        (45.2, "tokens", "45.2 tokens/s"),
+        (999.9, "voxels", "1 kvoxels/s"),
+        (25.2e6, "pixels", "25.2 Mpixels/s"),
+        (3.4e9, "pixels", "3.4 Gpixels/s"),
+    ],
+)
+def test_rates_keep_three_significant_figures(per_s, unit, text):
+    from lms._units import format_rate
+
+    assert format_rate(per_s, unit) == text

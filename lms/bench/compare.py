@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from lms._units import format_bytes, parse_bytes
+from lms._units import format_bytes, format_rate, parse_bytes
 
 __all__ = ["bench", "plot_bench", "child_main"]
 
@@ -126,7 +126,7 @@ def bench(
             model,
             size,
             method,
-            f"{run['step_s']:.3f} s/step, {run['elements_per_s'] / 1e6:.3f} M{run['unit']}/s, "
+            f"{run['step_s']:.3f} s/step, {format_rate(run['elements_per_s'], run['unit'])}, "
             f"peak {format_bytes(run['peak_bytes'])}" + ("" if within else " (over budget)")
             if run.get("ok")
             else run.get("error", "failed"),

@@ -66,6 +66,7 @@ class _Recorder(TorchDispatchMode):
         self.seen_backward = False
         self.names: dict[int, str] = {}
         self.stack: list[str] = []
+        self.marks: list[int] = []  # the last autograd node number before each module ran
         self.edge_of: dict[int, junctions.Edge] = {}  # storage: edge when first saved
         self.walked = False
         self.arrivals: dict[int, tuple[int, int, int]] = {}
@@ -79,14 +80,35 @@ class _Recorder(TorchDispatchMode):
 
     def enter_module(self, module: torch.nn.Module, args: Any) -> None:
         self.stack.append(self.names.get(id(module), type(module).__name__))
+        self.marks.append(max(map(_sequence_nr, _nodes(args)), default=-1))
 
     def exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self.stack:
-            self.stack.pop()
+        if not self.stack:
+            return
+        name, mark = self.stack.pop(), self.marks.pop()
+        if self.phase() != "forward":
+            return
+        # Note: [Name backward nodes by the module that made them]
+        # Autograd numbers nodes in the order forward makes them. The nodes a module made are
+        # those behind its outputs numbered after every node behind its inputs; inner modules
+        # exit first and claim theirs. Backward then names an op by the node that runs it,
+        # where module hooks cannot see a module whose inputs need no gradient (an embedding).
+        todo = [node for node in _nodes(output) if _sequence_nr(node) > mark]
+        while todo:
+            node = todo.pop()
+            if "lms_module" in node.metadata:
+                continue
+            node.metadata["lms_module"] = name
+            for after, _ in node.next_functions:
+                if after is not None and mark < _sequence_nr(after) < _NO_NUMBER:
+                    todo.append(after)
 
     def module(self, phase: str) -> str:
         if phase == "forward":
             return self.stack[-1] if self.stack else "Global"
+        node: Any = torch._C._current_autograd_node()
+        if node is not None and "lms_module" in node.metadata:
+            return str(node.metadata["lms_module"])
         parents = self.tracker.parents
         return max(parents, key=len) if parents else "Global"
 
@@ -232,6 +254,19 @@ class _Recorder(TorchDispatchMode):
         merged, _ = self.storage_id(rest)
         self.joined.append(JunctionRecord(key, grad, nbytes, arrive_op, len(self.ops), merged))
         return None
+
+
+_NO_NUMBER = 2**63  # AccumulateGrad and other nodes outside forward's numbering
+
+
+def _sequence_nr(node: Any) -> int:
+    return int(node._sequence_nr())
+
+
+def _nodes(value: Any) -> list[Any]:
+    """The autograd nodes that made the tensors in ``value``."""
+    leaves = tree_flatten(value)[0]
+    return [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
 
 
 def _writes_inplace(func: Any) -> bool:

@@ -124,3 +124,21 @@ def test_optimizer_state_is_counted():
     )
     assert trace.state_bytes >= 2 * trace.param_bytes
     assert trace.gradient_bytes == trace.param_bytes
+
+
+def test_backward_ops_are_named_by_the_module_that_made_their_node():
+    # The embedding's input needs no gradient, so module hooks never see its backward; the
+    # trace names it by the autograd node that runs it.
+    from lms.zoo import TinyLM, _lm_step
+
+    tokens = torch.randint(0, 100, (2, 16))
+    trace = trace_step(
+        lambda: TinyLM(vocab=100, dim=32, layers=2, heads=2), [tokens, tokens], _lm_step
+    )
+    backward = [op for op in trace.ops if op.phase == "backward"]
+    by_name = {op.name: op.module for op in backward}
+    assert by_name["aten.embedding_dense_backward.default"] == "TinyLM.embed"
+    norms = [op.module for op in backward if op.name == "aten.native_layer_norm_backward.default"]
+    assert sorted(norms) == sorted(
+        ["TinyLM.norm"] + [f"TinyLM.blocks.{i}.norm{j}" for i in range(2) for j in (1, 2)]
+    )

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from lms.analysis.devices import DeviceSpec
 from lms.analysis.recompute import recipes
 from lms.analysis.records import Trace
-from lms.analysis.simulate import op_seconds
+from lms.analysis.simulate import SimResult, op_seconds
 from lms.plan import Plan
 from lms.planning.common import Checker
 
@@ -74,15 +73,7 @@ def plan_greedy(
 
     def evaluate(kept: set[int], ahead: int, sync_mode: int) -> float | None:
         """Predicted step time keeping ``kept`` on the device, or None if it does not fit."""
-        offload = [i for i in everything if i not in kept]
-        plan = checker.plan(
-            offload,
-            ahead=ahead,
-            sync_mode=sync_mode,
-            source="planner",
-            recompute=remake.difference(kept),
-        )
-        result = checker.run(plan)
+        result = _keeping(checker, kept, ahead, sync_mode, remake)
         return result.step_s if checker.fits(result) else None
 
     def search(ahead: int, sync_mode: int) -> tuple[set[int], float] | None:
@@ -151,6 +142,21 @@ def plan_greedy(
     return checker.finish(plan, result)
 
 
+def _keeping(
+    checker: Checker, kept: set[int], ahead: int, sync_mode: int, remake: set[int]
+) -> SimResult:
+    """Simulate keeping ``kept`` on the device, recomputing ``remake`` and offloading the rest."""
+    offload = [i for i in range(checker.num_entries) if i not in kept]
+    plan = checker.plan(
+        offload,
+        ahead=ahead,
+        sync_mode=sync_mode,
+        source="planner",
+        recompute=remake.difference(kept),
+    )
+    return checker.run(plan)
+
+
 def _trade(
     checker: Checker,
     kept: set[int],
@@ -173,16 +179,8 @@ def _trade(
         for i, (storage, _, save_op) in enumerate(entries)
     }
 
-    def run(keep: set[int]) -> Any:
-        offload = [i for i in everything if i not in keep]
-        plan = checker.plan(
-            offload,
-            ahead=ahead,
-            sync_mode=sync_mode,
-            source="planner",
-            recompute=remake.difference(keep),
-        )
-        return checker.run(plan)
+    def run(keep: set[int]) -> SimResult:
+        return _keeping(checker, keep, ahead, sync_mode, remake)
 
     improved = True
     while improved and not spent():

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from lms._units import parse_bytes
+from lms.errors import LMSError
 
 __all__ = ["main"]
 
@@ -21,7 +22,11 @@ log = logging.getLogger("lms.cli")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="zoo model: resnet50, googlenet, ...")
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="zoo model (resnet50, googlenet, ...) or package.module:builder",
+    )
     parser.add_argument("--image-size", type=int, required=True, help="edge in pixels/voxels")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
@@ -210,14 +215,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(message)s",
         stream=sys.stdout,
     )
-    if getattr(args, "gpu_memory", None) is not None:
-        try:
+    try:
+        if getattr(args, "gpu_memory", None) is not None:
             parse_bytes(args.gpu_memory, field="--gpu-memory")
-        except ValueError as error:
-            print(error, file=sys.stderr)
-            return 2
-    os.makedirs(getattr(args, "out", ".") or ".", exist_ok=True)
-    return int(args.run(args))
+        os.makedirs(getattr(args, "out", ".") or ".", exist_ok=True)
+        return int(args.run(args))
+    except (LMSError, ValueError) as error:
+        if not str(error).startswith("lms:"):  # not one of ours: a bug, with its traceback
+            raise
+        print(error, file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

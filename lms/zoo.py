@@ -7,6 +7,7 @@ randomly (under fake tensors when tracing, so building costs no memory).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -146,11 +147,27 @@ ZOO: dict[str, ZooModel] = {
 
 
 def zoo_model(name: str) -> ZooModel:
-    """Look a model up by name.
+    """Look a model up by name, or import one given as ``"package.module:builder"``.
+
+    An imported builder is called with no arguments and must return an image classifier (3
+    channels in, 1000 classes out), such as ``"torchvision.models:vit_b_16"``.
 
     Raises:
-        ValueError: for an unknown name, listing the known ones.
+        ValueError: for an unknown name (listing the known ones) or a builder that cannot be
+            imported.
     """
-    if name not in ZOO:
-        raise ValueError(f"lms: model={name!r} is not in the zoo; known: {', '.join(ZOO)}")
-    return ZOO[name]
+    if name in ZOO:
+        return ZOO[name]
+    if ":" not in name:
+        raise ValueError(
+            f"lms: model={name!r} is not in the zoo; known: {', '.join(ZOO)}, or "
+            "'package.module:builder' for a classifier of your own"
+        )
+    module_name, _, attribute = name.partition(":")
+    try:
+        build = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"lms: model={name!r} cannot be imported: {error}") from None
+    if not callable(build):
+        raise ValueError(f"lms: model={name!r} is not callable")
+    return ZooModel(name, build, _images(3, 1000), "pixels", lambda s: s * s, 224, _classify_step)

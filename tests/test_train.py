@@ -114,3 +114,14 @@ def test_rates_keep_three_significant_figures(per_s, unit, text):
     from lms._units import format_rate
 
     assert format_rate(per_s, unit) == text
+
+
+def test_cli_analyzes_an_imported_builder_and_refuses_bad_names(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    model = "torchvision.models:mobilenet_v3_small"
+    assert main(["-q", "analyze", "--model", model, "--image-size", "256", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"].startswith(model) and report["num_ops"] > 100
+    for bad in ("resnet5", "no.such.module:build", "torchvision.models:no_such_net"):
+        assert main(["analyze", "--model", bad, "--image-size", "64"]) == 2
+        assert "lms: model=" in capsys.readouterr().err

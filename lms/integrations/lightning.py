@@ -15,7 +15,11 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer
+
+try:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+except ImportError:  # the older standalone package
+    from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
 
 from lms.config import LMSConfig
 from lms.plan import Plan

@@ -203,6 +203,7 @@ def test_relieved_junctions_bitwise_and_lower_backward_peak_on_cuda(deterministi
 
 
 def test_lightning_fit_on_cuda_is_bitwise_and_under_its_budget(deterministic_cudnn, spill_dir):
+    pytest.importorskip("lightning")
     from lms.integrations.lightning import LMSCallback
     from tests.integrations.test_lightning import fit
 

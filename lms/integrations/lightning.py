@@ -19,7 +19,7 @@ import torch
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError:  # the older standalone package
-    from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
+    from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[assignment]
 
 from lms.config import LMSConfig
 from lms.plan import Plan

@@ -187,6 +187,10 @@ def test_cli_rejects_a_bad_size(capsys):
     assert "--gpu-memory" in capsys.readouterr().err
 
 
-def test_unknown_model_is_a_clear_error():
+def test_unknown_model_is_a_clear_error(capsys):
+    assert main(["analyze", "--model", "vgg99", "--image-size", "64"]) == 2
+    assert "not in the zoo" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not in the zoo"):
-        main(["analyze", "--model", "vgg99", "--image-size", "64"])
+        from lms.zoo import zoo_model
+
+        zoo_model("vgg99")

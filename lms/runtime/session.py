@@ -153,6 +153,7 @@ class LMS:
         self._live: dict[int, Entry] = {}
         self._by_storage: dict[tuple[str, int], tuple[weakref.ref[Any], Entry]] = {}
         self._fixed_ptrs: set[int] = set()
+        self._min_offload = max(self.config.min_offload, 1)
         self._next_key = 0
         self._active = False
         self._hooks: Any = None
@@ -271,8 +272,11 @@ class LMS:
 
     # -- hooks -----------------------------------------------------------------------------
     def _note_module(self, module: torch.nn.Module, args: object) -> None:
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
+        # Runs before every module call: the tables directly, not parameters()'s generators.
+        for table in (module._parameters, module._buffers):
+            for tensor in table.values():
+                if tensor is not None:
+                    self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
 
     def _keeps(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` stays where it is: not an activation, or not worth moving."""
@@ -288,7 +292,7 @@ class LMS:
         if tensor.device.type not in ("cpu", "cuda") or tensor.is_quantized:
             return True
         storage = tensor.untyped_storage()
-        if storage.nbytes() < max(self.config.min_offload, 1):
+        if storage.nbytes() < self._min_offload:
             return True
         return storage.data_ptr() in self._fixed_ptrs
 

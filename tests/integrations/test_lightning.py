@@ -68,13 +68,14 @@ class Net(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(callbacks, model=None, precision="32-true", accelerator="cpu", edge=64):
+def fit(callbacks, model=None, precision="32-true", accelerator="cpu", edge=64, accumulate=1):
     torch.manual_seed(0)
     model = model or Net()
     trainer = Trainer(
         accelerator=accelerator,
         devices=1,
         precision=precision,
+        accumulate_grad_batches=accumulate,
         max_steps=3,
         logger=False,
         enable_checkpointing=False,
@@ -86,22 +87,26 @@ def fit(callbacks, model=None, precision="32-true", accelerator="cpu", edge=64):
     return model
 
 
-@pytest.mark.parametrize(("precision", "budget"), [("32-true", "2MiB"), ("bf16-mixed", "1.25MiB")])
-def test_fit_follows_the_tuned_plan_bitwise(tmp_path, caplog, precision, budget):
+@pytest.mark.parametrize(
+    ("precision", "budget", "accumulate"),
+    [("32-true", "2MiB", 1), ("bf16-mixed", "1.25MiB", 1), ("32-true", "2MiB", 2)],
+)
+def test_fit_follows_the_tuned_plan_bitwise(tmp_path, caplog, precision, budget, accumulate):
     caplog.set_level("INFO", logger="lms")
-    plain = fit([], precision=precision)
+    plain = fit([], precision=precision, accumulate=accumulate)
     spill = tmp_path / "spill"
     spill.mkdir()
     callback = LMSCallback(
         budget=budget, min_offload_bytes=0, spill_dir=str(spill), cache_dir=str(tmp_path)
     )
-    offloaded = fit([callback], precision=precision)
+    offloaded = fit([callback], precision=precision, accumulate=accumulate)
     for a, b in zip(plain.state_dict().values(), offloaded.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     plan = callback.lms.plan
     assert plan is not None and plan.offload  # tuned on the first batch, and it moves tensors
-    assert callback.lms.stats.steps == 3
-    assert callback.lms.stats.offloaded_tensors == 3 * len(plan.offload)
+    batches = 3 * accumulate  # one LMS step a batch; the optimizer steps every `accumulate`
+    assert callback.lms.stats.steps == batches
+    assert callback.lms.stats.offloaded_tensors == batches * len(plan.offload)
     assert "falling back" not in caplog.text
     assert spill_files(str(spill)) == []
     assert hooks_are_gone()

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mod_tracker import ModTracker
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
@@ -69,6 +70,7 @@ class _Recorder(TorchDispatchMode):
         self.marks: list[int] = []  # the last autograd node number before each module ran
         self.edge_of: dict[int, junctions.Edge] = {}  # storage: edge when first saved
         self.walked = False
+        self.forward_nodes = _ForwardNodes()
         self.arrivals: dict[int, tuple[int, int, int]] = {}
         self.joined: list[JunctionRecord] = []
 
@@ -231,7 +233,9 @@ class _Recorder(TorchDispatchMode):
             edges: dict[junctions.Edge, int] = {}
             for sid, edge in self.edge_of.items():
                 edges.setdefault(edge, sid)
-            junctions.attach(edges, root, self.arrive, self.join)
+            consumers = junctions.fan_in(root, *self.forward_nodes.nodes)
+            self.forward_nodes.nodes.clear()
+            junctions.attach(edges, root, self.arrive, self.join, consumers=consumers)
         self.level += 1
         sid, _ = self.storage_id(tensor)
         saved = next(e for e in reversed(self.events) if e.storage == sid and e.kind == "save")
@@ -254,6 +258,22 @@ class _Recorder(TorchDispatchMode):
         merged, _ = self.storage_id(rest)
         self.joined.append(JunctionRecord(key, grad, nbytes, arrive_op, len(self.ops), merged))
         return None
+
+
+class _ForwardNodes(TorchFunctionMode):
+    """Every autograd node forward makes: the ``grad_fn`` of each op's outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: list[Any] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        out = func(*args, **(kwargs or {}))
+        if torch._C._current_graph_task_id() == -1:
+            for value in tree_flatten(out)[0]:
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    self.nodes.append(value.grad_fn)
+        return out
 
 
 _NO_NUMBER = 2**63  # AccumulateGrad and other nodes outside forward's numbering
@@ -354,7 +374,7 @@ def trace_step(
                 recorder.exit_module, always_call=True
             )
             try:
-                with tracker, recorder, hooks:
+                with tracker, recorder, recorder.forward_nodes, hooks:
                     with amp:
                         result = step(built, inputs)
                     if opt is not None:

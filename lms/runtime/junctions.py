@@ -13,6 +13,13 @@ floating-point addition is commutative but not associative. So only edges with e
 consumer slots are junctions, counted over every node reachable from the first node of backward
 that reads a saved tensor.
 
+That walk cannot see a branch that backward runs apart from it: with ``loss = a(t) + b(t)`` a third
+consumer of ``t`` in ``b`` is not reachable from the first node of ``a``. The trace keeps every
+node forward makes (a function mode sees each op's ``grad_fn``) and counts consumers over all of
+them; a plan relieves only junctions the trace found, so an edge with a consumer the runtime's walk
+misses is never relieved. (A node forward made that backward never runs only makes the trace
+count one consumer too many, and leave that junction alone.)
+
 The trace and the runtime name a junction by the saved entry (ordinal) of its tensor and find its
 autograd edge the same way: the tensor's ``grad_fn`` and ``output_nr`` when it is first saved.
 """
@@ -38,21 +45,27 @@ def edge_of(tensor: torch.Tensor) -> Edge | None:
     return node, tensor.output_nr
 
 
-def fan_in(root: Any) -> dict[Edge, list[tuple[Any, int]]]:
-    """For every edge reachable from ``root``, the consumer nodes and input slots feeding it."""
-    consumers: dict[Edge, list[tuple[Any, int]]] = {}
+def fan_in(*starts: Any) -> dict[Edge, list[tuple[Any, int]]]:
+    """For every edge reachable from ``starts``, the consumer nodes and input slots feeding it."""
     seen: set[Any] = set()
-    todo = [root]
+    nodes = []
+    todo = list(starts)
     while todo:
         node = todo.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
+        nodes.append(node)
+        todo.extend(following for following, _ in node.next_functions)
+    return _consumers(nodes)
+
+
+def _consumers(nodes: list[Any]) -> dict[Edge, list[tuple[Any, int]]]:
+    consumers: dict[Edge, list[tuple[Any, int]]] = {}
+    for node in nodes:
         for slot, (following, number) in enumerate(node.next_functions):
-            if following is None:
-                continue
-            consumers.setdefault((following, number), []).append((node, slot))
-            todo.append(following)
+            if following is not None:
+                consumers.setdefault((following, number), []).append((node, slot))
     return consumers
 
 
@@ -61,15 +74,20 @@ def attach(
     root: Any,
     take: Callable[[Hashable, torch.Tensor], bool],
     join: Callable[[Hashable, torch.Tensor | None], torch.Tensor | None],
+    consumers: Mapping[Edge, list[tuple[Any, int]]] | None = None,
 ) -> list[Hashable]:
     """Hook the junctions among ``edges`` (each named by its key); returns the keys hooked.
+
+    Consumers are counted over the nodes reachable from ``root``, or taken from ``consumers``
+    (`fan_in` over every node forward made, as the trace counts them).
 
     ``take(key, partial)`` runs on the first partial gradient that reaches a junction in each
     backward; when it returns True the engine is handed nothing for it. ``join(key, rest)`` runs
     before the producer's backward with the engine's sum of the other partial (None if none);
     what it returns replaces that sum, None keeps it.
     """
-    consumers = fan_in(root)
+    if consumers is None:
+        consumers = fan_in(root)
     hooked: list[Hashable] = []
     for edge, key in edges.items():
         feeding = consumers.get(edge, [])

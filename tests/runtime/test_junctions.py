@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn as nn
 
 import lms
 from lms.analysis import simulate, trace_step
@@ -205,3 +206,35 @@ def test_relieved_junctions_lower_measured_backward_memory_as_simulated(tmp_path
     assert held["measured"] - relieved["measured"] >= 0.8 * activation, (held, relieved)
     for result in (held, relieved):
         assert abs(result["measured"] / result["simulated"] - 1) <= 0.10, result
+
+
+class SplitLoss(nn.Module):
+    """``t`` feeds two ops in branch ``a`` and, when ``third``, one more in branch ``b``; backward
+    runs ``a`` first, where a walk from its first node sees only two consumers of ``t``."""
+
+    def __init__(self, third):
+        super().__init__()
+        self.lin, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.third = third
+
+    def forward(self, x):
+        t = self.lin(x)
+        b = self.b(t if self.third else x).exp().sum()
+        a = (t * torch.tanh(t)).sum()  # made last: backward runs it first
+        return a + b
+
+
+@pytest.mark.parametrize("third", [False, True])
+def test_trace_counts_consumers_in_branches_backward_runs_apart(third):
+    def loss_step(model, batch):
+        loss = model(*batch)
+        loss.backward()
+        return loss
+
+    trace = trace_step(
+        lambda: SplitLoss(third), [torch.randn(512, 64)], loss_step, min_offload_bytes=0
+    )
+    t_bytes = 512 * 64 * 4
+    found = [j for j in trace.junctions if j.nbytes == t_bytes]
+    # Two consumers: a junction. Three: the sum's order cannot be kept, so none.
+    assert len(found) == (0 if third else 1)

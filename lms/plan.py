@@ -29,9 +29,12 @@ class Plan:
     spill: tuple[int, ...] = ()
     """Offloaded ordinals that go to spill files rather than host memory (host memory short)."""
     stash: tuple[int, ...] = ()
-    """Ordinals whose gradient junction is relieved: where the tensor feeds two operations, the
-    partial gradient that backward computes first waits off the device until the second is
-    summed with it (see `lms.runtime.junctions`)."""
+    """Ordinals whose gradient junction is relieved: where the tensor feeds several operations,
+    each partial gradient that backward computes but the last waits off the device until they
+    are summed (see `lms.runtime.junctions`)."""
+    stash_partials: tuple[int, ...] = ()
+    """For each ordinal of `stash`, how many partial gradients meet at its junction (two each
+    when empty); the runtime relieves a junction only where it counts as many."""
     swapin_ahead: int = 2
     """Offloaded tensors brought back ahead of backward's use."""
     sync_mode: int = 0
@@ -68,12 +71,23 @@ class Plan:
             raise ValueError(
                 f"lms: Plan.stash names ordinals {outside[:5]} outside 0..{self.num_entries - 1}"
             )
+        if self.stash_partials and (
+            len(self.stash_partials) != len(self.stash) or min(self.stash_partials) < 2
+        ):
+            raise ValueError(
+                f"lms: Plan.stash_partials {list(self.stash_partials)[:5]} must give a count of"
+                f" two or more for each of the {len(self.stash)} ordinals of Plan.stash"
+            )
         stray = sorted(set(self.refetch) - set(self.offload))
         if stray:
             raise ValueError(
                 f"lms: Plan.refetch names ordinals {stray[:5]} that Plan.offload does not; "
                 "only offloaded tensors can be read back per use"
             )
+
+    def junction_partials(self) -> dict[int, int]:
+        """How many partial gradients meet at each relieved junction, by ordinal."""
+        return dict(zip(self.stash, self.stash_partials or (2,) * len(self.stash), strict=True))
 
     def to_json(self) -> str:
         """The plan as JSON text."""
@@ -88,6 +102,7 @@ class Plan:
         data["recompute"] = tuple(data.get("recompute", ()))
         data["spill"] = tuple(data.get("spill", ()))
         data["stash"] = tuple(data.get("stash", ()))
+        data["stash_partials"] = tuple(data.get("stash_partials", ()))
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -76,23 +76,40 @@ class SavedEvent:
 
 @dataclasses.dataclass(frozen=True)
 class JunctionRecord:
-    """A saved tensor that feeds two operations: where its two partial gradients met in backward.
+    """A saved tensor that feeds several operations: where its partial gradients met in backward.
 
     See `lms.runtime.junctions`.
     """
 
     storage: int
     """The saved storage (its entry names the junction in `lms.Plan.stash`)."""
-    grad: int
-    """Storage of the partial gradient that arrived first."""
-    nbytes: int
-    """Its bytes."""
-    arrive_op: int
-    """Index of the first op after that partial was made."""
+    grads: tuple[int, ...]
+    """Storages of the partial gradients, in the order they arrived."""
+    sizes: tuple[int, ...]
+    """Their bytes."""
+    arrive_ops: tuple[int, ...]
+    """For each, the index of the first op after it was made (the engine's sum, after the first)."""
     join_op: int
     """Index of the first op of the producer's backward, where the partials are summed."""
     merged: int
-    """Storage of the sum the producer received (the first partial's, when summed in place)."""
+    """Storage of the sum the producer received (a partial's, when summed in place)."""
+    accumulated: tuple[int, ...] = ()
+    """Storages the engine's sums of the partials wrote, ``merged`` among them."""
+
+    @property
+    def partials(self) -> int:
+        """How many partial gradients meet here: the consumer slots of the tensor."""
+        return len(self.grads)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes that wait off the device when relieved: every partial but the last."""
+        return sum(self.sizes[:-1])
+
+    @property
+    def sums(self) -> frozenset[int]:
+        """Every storage the plain sum uses: the partials, what the engine adds them into."""
+        return frozenset((*self.grads, *self.accumulated, self.merged))
 
 
 @dataclasses.dataclass(frozen=True)

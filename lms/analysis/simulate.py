@@ -196,15 +196,17 @@ def simulate(
             recompute_at.setdefault(use_op, []).append(ordinal)
     recompute_start: dict[int, float] = {}
     recompute_s = 0.0
-    # Gradient junctions relieved: the first partial goes out when made, comes back to be summed.
+    # Gradient junctions relieved: each partial but the last goes out when made, and all come
+    # back to be summed before the producer's backward.
     relieved = _relieved(trace, plan)
-    takes_at: dict[int, list[int]] = {}
+    takes_at: dict[int, list[tuple[int, int]]] = {}
     joins_at: dict[int, list[int]] = {}
     for ordinal, junction in relieved.items():
-        takes_at.setdefault(junction.arrive_op, []).append(ordinal)
+        for k, arrive_op in enumerate(junction.arrive_ops[:-1]):
+            takes_at.setdefault(arrive_op, []).append((ordinal, k))
         joins_at.setdefault(junction.join_op, []).append(ordinal)
-    taken: dict[int, tuple[float, float]] = {}  # copy out: start, done
-    rejoined: dict[int, tuple[float, float]] = {}  # copy in: start, done
+    taken: dict[tuple[int, int], tuple[float, float]] = {}  # copy out: start, done
+    rejoined: dict[int, tuple[float, float]] = {}  # copies in: start, done
 
     # Prefetch triggers: the use of the offloaded entry `ahead` places earlier in use order.
     used = sorted((first_use[storage_of[i]], i) for i in offload if storage_of[i] in first_use)
@@ -301,10 +303,10 @@ def simulate(
                 done, _ = pending.pop(0)
                 wait += max(done - now, 0.0)
                 now = max(now, done)
-        for ordinal in takes_at.get(index, ()):
+        for ordinal, k in takes_at.get(index, ()):
             begin = max(now, d2h_free)
-            d2h_free = begin + relieved[ordinal].nbytes / d2h_bw
-            taken[ordinal] = (begin, d2h_free)
+            d2h_free = begin + relieved[ordinal].sizes[k] / d2h_bw
+            taken[ordinal, k] = (begin, d2h_free)
             if sync_out:  # the runtime waits for every copy out, these too
                 wait += d2h_free - now
                 now = d2h_free
@@ -339,7 +341,8 @@ def simulate(
             wait += h2d_free - now
             now = h2d_free
         for ordinal in joins_at.get(index, ()):
-            begin = max(now, h2d_free, taken[ordinal][1])
+            copied = (taken[ordinal, k][1] for k in range(relieved[ordinal].partials - 1))
+            begin = max(now, h2d_free, *copied)
             h2d_free = begin + relieved[ordinal].nbytes / h2d_bw
             rejoined[ordinal] = (now, h2d_free)
             wait += h2d_free - now
@@ -369,25 +372,28 @@ def simulate(
 
     offloaded_storages = {storage_of[i]: i for i in offload}
     recomputed_storages = {entries[i][0]: i for i in recompute}
-    partials = {j.grad: i for i, j in relieved.items()}
-    sums = {j.merged: i for i, j in relieved.items()}
+    roles = _junction_roles(relieved)
     for ordinal, junction in relieved.items():
-        host_spans.append((taken[ordinal][0], rejoined[ordinal][1], junction.nbytes))
+        for k, size in enumerate(junction.sizes[:-1]):
+            host_spans.append((taken[ordinal, k][0], rejoined[ordinal][1], size))
+        if junction.partials > 2:  # the sum so far and the next partial, while copied in
+            loading = Interval(junction.merged, junction.sizes[0], *rejoined[ordinal], "reloaded")
+            intervals.append(loading)
     for record in trace.storages:
         begin = 0.0 if record.alloc_op < 0 else start[record.alloc_op]
         finish = op_end(record.free_op)
-        if record.id in partials or record.id in sums:
-            ordinal = partials[record.id] if record.id in partials else sums[record.id]
-            junction = relieved[ordinal]
-            if record.id == junction.grad:  # on the device until copied out and read
-                last = _last_read(trace, junction)
-                out = max(taken[ordinal][1], op_end(last))
-                intervals.append(Interval(record.id, record.nbytes, begin, out, record.kind))
-            # The sum is made in the copy brought back: from its load to the sum's end.
-            if record.id == junction.merged:
-                intervals.append(
-                    Interval(record.id, record.nbytes, rejoined[ordinal][0], finish, "reloaded")
-                )
+        if record.id in roles:
+            for ordinal, k in roles[record.id]:
+                junction = relieved[ordinal]
+                if k == _MERGED:  # the sum is made in the copy brought back
+                    span = (rejoined[ordinal][0], finish)
+                    intervals.append(Interval(record.id, record.nbytes, *span, "reloaded"))
+                elif k == junction.partials - 1:  # the last waits where the engine sums
+                    out = max(rejoined[ordinal][1], finish)
+                    intervals.append(Interval(record.id, record.nbytes, begin, out, record.kind))
+                elif k >= 0:  # on the device until copied out and read
+                    out = max(taken[ordinal, k][1], op_end(_last_read(trace, junction, k)))
+                    intervals.append(Interval(record.id, record.nbytes, begin, out, record.kind))
             continue
         remade = recomputed_storages.get(record.id)
         if remade is not None:
@@ -457,27 +463,49 @@ def simulate(
 
 
 def _relieved(trace: Trace, plan: Plan | None) -> dict[int, JunctionRecord]:
-    """The plan's relieved junctions that the trace saw, by ordinal; each storage in one only."""
+    """The plan's relieved junctions that the trace saw as the plan counts them, by ordinal;
+    each storage in one only."""
     if plan is None or not plan.stash:
         return {}
     known = trace.junction_ordinals()
+    counts = plan.junction_partials()
     chosen: dict[int, JunctionRecord] = {}
     used: set[int] = set()
     for ordinal in sorted(plan.stash):
         junction = known.get(ordinal)
-        if junction is None or {junction.grad, junction.merged} & used:
+        if junction is None or junction.partials != counts[ordinal] or junction.sums & used:
             continue
-        used |= {junction.grad, junction.merged}
+        used |= junction.sums
         chosen[ordinal] = junction
     return chosen
 
 
-def _last_read(trace: Trace, junction: JunctionRecord) -> int:
-    """The last op before the sum that reads the first partial (the op that made it if none)."""
-    last = junction.arrive_op - 1
-    for index in range(junction.arrive_op, junction.join_op):
-        op = trace.ops[index]
-        if junction.grad in op.inputs and junction.merged not in op.outputs:
+_MERGED = -1  # role of the sum's storage
+_GONE = -2  # role of a sum the engine made on the way, which a relieved junction never makes
+
+
+def _junction_roles(relieved: dict[int, JunctionRecord]) -> dict[int, list[tuple[int, int]]]:
+    """For each storage of a relieved junction, its roles: ``(ordinal, k)`` for the k-th partial,
+    ``(ordinal, _MERGED)`` for the sum, ``(ordinal, _GONE)`` for a sum on the way."""
+    roles: dict[int, list[tuple[int, int]]] = {}
+    for ordinal, junction in relieved.items():
+        for k, grad in enumerate(junction.grads):
+            roles.setdefault(grad, []).append((ordinal, k))
+        for made in junction.accumulated:
+            if made not in junction.grads and made != junction.merged:
+                roles.setdefault(made, []).append((ordinal, _GONE))
+        roles.setdefault(junction.merged, []).append((ordinal, _MERGED))
+    return roles
+
+
+def _last_read(trace: Trace, junction: JunctionRecord, k: int) -> int:
+    """The last op before the sum that reads the k-th partial, other than the engine's sums (the
+    op that made it if none)."""
+    first = junction.arrive_ops[k]
+    last = first - 1
+    summing = set(junction.arrive_ops[1:])
+    for index in range(first, junction.join_op):
+        if index not in summing and junction.grads[k] in trace.ops[index].inputs:
             last = index
     return last
 

@@ -71,8 +71,9 @@ class _Recorder(TorchDispatchMode):
         self.edge_of: dict[int, junctions.Edge] = {}  # storage: edge when first saved
         self.walked = False
         self.forward_nodes = _ForwardNodes()
-        self.arrivals: dict[int, tuple[int, int, int]] = {}
+        self.arrivals: dict[int, list[tuple[int, int, int]]] = {}
         self.joined: list[JunctionRecord] = []
+        self.meeting: dict[Any, int] = {}  # junction: how many partials meet there
 
     # -- modules -----------------------------------------------------------------------------
     def name_modules(self, model: torch.nn.Module) -> None:
@@ -235,7 +236,9 @@ class _Recorder(TorchDispatchMode):
                 edges.setdefault(edge, sid)
             consumers = junctions.fan_in(root, *self.forward_nodes.nodes)
             self.forward_nodes.nodes.clear()
-            junctions.attach(edges, root, self.arrive, self.join, consumers=consumers)
+            self.meeting = junctions.attach(
+                edges, root, self.arrive, self.join, consumers=consumers
+            )
         self.level += 1
         sid, _ = self.storage_id(tensor)
         saved = next(e for e in reversed(self.events) if e.storage == sid and e.kind == "save")
@@ -245,18 +248,29 @@ class _Recorder(TorchDispatchMode):
         return tensor
 
     # -- gradient junctions: watched, left as the engine does them ---------------------------
-    def arrive(self, key: Any, partial: torch.Tensor) -> bool:
+    def arrive(self, key: Any, partial: torch.Tensor, last: bool) -> torch.Tensor:
         sid, _ = self.storage_id(partial)
-        self.arrivals[key] = (sid, self.nbytes[sid], len(self.ops))
-        return False
+        self.arrivals.setdefault(key, []).append((sid, self.nbytes[sid], len(self.ops)))
+        return partial
 
     def join(self, key: Any, rest: torch.Tensor | None) -> None:
-        first = self.arrivals.pop(key, None)
-        if first is None or rest is None:
-            return None
-        grad, nbytes, arrive_op = first
+        arrived = self.arrivals.pop(key, [])
+        if len(arrived) != self.meeting.get(key) or rest is None:
+            return None  # a consumer that never ran: the runtime would take the last partial
+        grads, sizes, arrive_ops = zip(*arrived, strict=True)
         merged, _ = self.storage_id(rest)
-        self.joined.append(JunctionRecord(key, grad, nbytes, arrive_op, len(self.ops), merged))
+        # After the first, each partial is added to the others by the op right after it.
+        made = [
+            out
+            for grad, index in zip(grads[1:], arrive_ops[1:], strict=True)
+            if index < len(self.ops) and grad in self.ops[index].inputs
+            for out in self.ops[index].outputs
+        ]
+        self.joined.append(
+            JunctionRecord(
+                key, grads, sizes, arrive_ops, len(self.ops), merged, tuple(sorted(set(made)))
+            )
+        )
         return None
 
 

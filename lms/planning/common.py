@@ -116,13 +116,16 @@ class Checker:
     ) -> Plan:
         remade = set(recompute)
         chosen = set(offload) - remade
+        stash = sorted(self.stash)
+        meeting = self.trace.junction_ordinals() if stash else {}
         return Plan(
             fingerprint=self.fingerprint,
             offload=tuple(sorted(chosen)),
             spill=self.spill_for(chosen),
             refetch=tuple(sorted(self.refetch & chosen)),
             recompute=tuple(sorted(remade)),
-            stash=tuple(sorted(self.stash)),
+            stash=tuple(stash),
+            stash_partials=tuple(meeting[ordinal].partials for ordinal in stash),
             num_entries=self.num_entries,
             swapin_ahead=ahead,
             sync_mode=sync_mode,

@@ -1,24 +1,25 @@
 """Gradient junctions: where one tensor feeds two operations, its two partial gradients meet.
 
-Note: [Why junctions, and why only two partials]
+Note: [Why junctions, and how the sum stays bit for bit]
 Autograd sums the partial gradients of a tensor in the input buffer of the tensor's producer.
-The partial that arrives first waits there, on the device, while the other branch runs its whole
+The partial that arrives first waits there, on the device, while the other branches run their
 backward: at a residual block that is one more activation-sized buffer at the block's busiest
 moment, and no saved-tensor hook sees it, because a gradient is not a saved tensor. Hooks on the
-autograd nodes can move it: a post hook on each consumer takes the first partial that arrives
-(and hands the engine nothing in its place), a pre hook on the producer adds it back to what the
-engine summed. The producer then sees ``first + rest``, where the engine would have computed
-``(first + second) + third ...``; the two agree bit for bit only when ``rest`` is one partial, as
-floating-point addition is commutative but not associative. So only edges with exactly two
-consumer slots are junctions, counted over every node reachable from the first node of backward
-that reads a saved tensor.
+autograd nodes can move it: a post hook on each consumer takes each partial that arrives but the
+last (and hands the engine nothing in its place), a pre hook on the producer adds them back to
+what the engine has. The engine would have computed ``((p1 + p2) + p3) ...`` in the order the
+partials arrived; floating-point addition is commutative but not associative, so the join folds
+the partials it took in the same order and adds the last one, which the engine kept, at the end.
+That needs the number of consumer slots to be known before the first partial arrives, so a
+junction names it, counted over every node reachable from the first node of backward that reads
+a saved tensor.
 
-That walk cannot see a branch that backward runs apart from it: with ``loss = a(t) + b(t)`` a third
+That walk cannot see a branch that backward runs apart from it: with ``loss = a(t) + b(t)`` a
 consumer of ``t`` in ``b`` is not reachable from the first node of ``a``. The trace keeps every
 node forward makes (a function mode sees each op's ``grad_fn``) and counts consumers over all of
-them; a plan relieves only junctions the trace found, so an edge with a consumer the runtime's walk
-misses is never relieved. (A node forward made that backward never runs only makes the trace
-count one consumer too many, and leave that junction alone.)
+them, and records a junction only where that many partials arrived; a plan names that count,
+and the runtime hooks a junction only where its own walk counts the same, so a partial it cannot
+see never lands in the middle of the fold.
 
 The trace and the runtime name a junction by the saved entry (ordinal) of its tensor and find its
 autograd edge the same way: the tensor's ``grad_fn`` and ``output_nr`` when it is first saved.
@@ -72,56 +73,82 @@ def _consumers(nodes: list[Any]) -> dict[Edge, list[tuple[Any, int]]]:
 def attach(
     edges: Mapping[Edge, Hashable],
     root: Any,
-    take: Callable[[Hashable, torch.Tensor], bool],
+    take: Callable[[Hashable, torch.Tensor, bool], torch.Tensor | None],
     join: Callable[[Hashable, torch.Tensor | None], torch.Tensor | None],
     consumers: Mapping[Edge, list[tuple[Any, int]]] | None = None,
-) -> list[Hashable]:
-    """Hook the junctions among ``edges`` (each named by its key); returns the keys hooked.
+    partials: Mapping[Any, int] | None = None,
+) -> dict[Hashable, int]:
+    """Hook the junctions among ``edges`` (each named by its key); returns the keys hooked, each
+    with the number of partial gradients that meet there (its consumer slots).
 
     Consumers are counted over the nodes reachable from ``root``, or taken from ``consumers``
-    (`fan_in` over every node forward made, as the trace counts them).
+    (`fan_in` over every node forward made, as the trace counts them). With ``partials``, a key
+    is hooked only where the count is the one given for it.
 
-    ``take(key, partial)`` runs on the first partial gradient that reaches a junction in each
-    backward; when it returns True the engine is handed nothing for it. ``join(key, rest)`` runs
-    before the producer's backward with the engine's sum of the other partial (None if none);
-    what it returns replaces that sum, None keeps it.
+    In each backward, ``take(key, partial, last)`` runs on each partial gradient that reaches a
+    junction, in the order they arrive: it returns None to hand the engine nothing for it, or the
+    tensor the engine gets in its place; the last partial (``last`` True) must be handed on.
+    ``join(key, rest)`` runs before the producer's backward with the engine's sum of what it was
+    handed (None if nothing); what it returns replaces that sum, None keeps it.
     """
     if consumers is None:
         consumers = fan_in(root)
-    hooked: list[Hashable] = []
+    hooked: dict[Hashable, int] = {}
     for edge, key in edges.items():
         feeding = consumers.get(edge, [])
         node, number = edge
-        if len(feeding) != 2 or type(node).__name__ == "AccumulateGrad":
+        if len(feeding) < 2 or type(node).__name__ == "AccumulateGrad":
             continue
-        arrived: dict[str, bool] = {"first": False}
+        if partials is not None and partials.get(key) != len(feeding):
+            continue
+        state = _Arrivals(len(feeding) - 1)
         slots: dict[Any, list[int]] = {}
         for consumer, slot in feeding:
             slots.setdefault(consumer, []).append(slot)
         for consumer, positions in slots.items():
-            consumer.register_hook(_taker(key, positions, arrived, take))
-        node.register_prehook(_joiner(key, number, arrived, join))
-        hooked.append(key)
+            consumer.register_hook(_taker(key, positions, state, take))
+        node.register_prehook(_joiner(key, number, state, join))
+        hooked[key] = len(feeding)
     return hooked
+
+
+class _Arrivals:
+    """How many partials a junction has handed to ``take`` in the backward now running."""
+
+    def __init__(self, takes: int) -> None:
+        self.takes = takes
+        self.count = 0
+        self.task = -1
+
+    def next(self) -> int:
+        """Count one partial arriving: how many came before it in this backward."""
+        task = torch._C._current_graph_task_id()
+        if task != self.task:  # a backward that stopped midway leaves no count behind
+            self.task, self.count = task, 0
+        self.count += 1
+        return self.count - 1
+
+    def reset(self) -> None:
+        self.task, self.count = -1, 0
 
 
 def _taker(
     key: Hashable,
     positions: list[int],
-    arrived: dict[str, bool],
-    take: Callable[[Hashable, torch.Tensor], bool],
+    state: _Arrivals,
+    take: Callable[[Hashable, torch.Tensor, bool], torch.Tensor | None],
 ) -> Callable[[tuple[Any, ...], tuple[Any, ...]], tuple[Any, ...] | None]:
     def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        for position in positions:
+        replaced: list[Any] | None = None
+        for position in positions:  # the engine adds a node's outputs in slot order
             partial = grad_inputs[position]
-            if partial is None or arrived["first"]:
+            if partial is None:
                 continue
-            arrived["first"] = True
-            if take(key, partial):
-                replaced = list(grad_inputs)
-                replaced[position] = None
-                return tuple(replaced)
-        return None
+            handed = take(key, partial, state.next() >= state.takes)
+            if handed is not partial:
+                replaced = replaced or list(grad_inputs)
+                replaced[position] = handed
+        return tuple(replaced) if replaced is not None else None
 
     return hook
 
@@ -129,11 +156,11 @@ def _taker(
 def _joiner(
     key: Hashable,
     number: int,
-    arrived: dict[str, bool],
+    state: _Arrivals,
     join: Callable[[Hashable, torch.Tensor | None], torch.Tensor | None],
 ) -> Callable[[tuple[Any, ...]], tuple[Any, ...] | None]:
     def hook(grad_outputs: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        arrived["first"] = False  # the next backward through a retained graph starts afresh
+        state.reset()  # the next backward through a retained graph starts afresh
         merged = join(key, grad_outputs[number])
         if merged is None:
             return None

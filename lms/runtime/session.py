@@ -91,6 +91,7 @@ class _Step:
         self.save_level: dict[int, int] = {}
         self.baseline_bytes: int | None = None
         self.junction_edges: dict[junctions.Edge, int] = {}
+        self.saved_nodes: list[Any] = []  # grad_fn of each saved tensor, while junctions wait
         self.walked = False
 
     def owns(self, entry: Entry) -> bool:
@@ -161,7 +162,8 @@ class LMS:
         self._warned_divergence = False
         self._writes: WriteLog | None = None
         self._back_bytes = 0  # bytes of offloaded storages brought back and not yet released
-        self._partials: dict[Any, tuple[Entry, tuple[Any, ...]]] = {}  # junction: copy, geometry
+        self._partials: dict[Any, list[tuple[Entry, tuple[Any, ...]]]] = {}  # copies, geometry
+        self._summing: set[Any] = set()  # junctions whose partials go to autograd this backward
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
 
     # -- context ---------------------------------------------------------------------------
@@ -302,6 +304,9 @@ class LMS:
             assert step is not None
             step.level += 1
             self.stats.saved_tensors += 1
+            plan = self.plan
+            if plan is not None and plan.stash and not step.walked and tensor.grad_fn is not None:
+                step.saved_nodes.append(tensor.grad_fn)
             if self._keeps(tensor):
                 self.stats.kept_tensors += 1
                 return tensor
@@ -650,66 +655,89 @@ class LMS:
 
     def _hook_junctions(self, step: _Step) -> None:
         """At the first read in backward: hook the plan's junctions in the graph it runs."""
-        if torch._C._current_graph_task_id() == -1:
+        if torch._C._current_graph_task_id() == -1 or self.plan is None:
             return
         step.walked = True
         root = torch._C._current_autograd_node()
         edges, step.junction_edges = step.junction_edges, {}
-        hooked = junctions.attach(edges, root, self._take_partial, self._join_partial)
+        # Each branch of backward holds a node whose output some op saved: walking down from
+        # those finds the consumers that a walk from the first node misses.
+        starts, step.saved_nodes = step.saved_nodes, []
+        hooked = junctions.attach(
+            edges,
+            root,
+            self._take_partial,
+            self._join_partial,
+            consumers=junctions.fan_in(root, *starts),
+            partials=self.plan.junction_partials(),
+        )
         if len(hooked) != len(edges):
             log.info(
-                "[LMS] %d of the plan's %d gradient junctions are not junctions at run time; "
-                "autograd sums those as usual",
+                "[LMS] %d of the plan's %d gradient junctions are not junctions of as many "
+                "partial gradients at run time; autograd sums those as usual",
                 len(edges) - len(hooked),
                 len(edges),
             )
 
-    def _take_partial(self, key: Any, partial: torch.Tensor) -> bool:
-        """Move the first partial gradient at junction ``key`` out; False leaves it to autograd."""
-        if torch.is_grad_enabled() or self._keeps(partial):  # grad on: backward is recorded
-            return False
-        with self._lock:
-            entry = Entry(self._next_key, -1, partial.untyped_storage(), partial.device)
-            self._next_key += 1
-            try:
-                self._offloader.offload(entry)
-            except HostMemoryError:
-                return False
-            if not entry.offloaded:
-                return False
-            geometry = (partial.dtype, partial.storage_offset(), partial.size(), partial.stride())
-            self._partials[key] = (entry, geometry)
-            self.stats.relieved_partials += 1
-            self.stats.relieved_bytes += entry.nbytes
-        return True
+    def _take_partial(self, key: Any, partial: torch.Tensor, last: bool) -> torch.Tensor | None:
+        """Move a partial gradient at junction ``key`` out (None); or hand autograd what it
+        would have summed so far (the partial, after those taken), and take no more there."""
+        if last or key in self._summing:
+            return partial
+        if not torch.is_grad_enabled() and not self._keeps(partial):  # grad on: recorded
+            with self._lock:
+                entry = Entry(self._next_key, -1, partial.untyped_storage(), partial.device)
+                self._next_key += 1
+                with contextlib.suppress(HostMemoryError):  # then autograd sums here
+                    self._offloader.offload(entry)
+                if entry.offloaded:
+                    geometry = (
+                        partial.dtype,
+                        partial.storage_offset(),
+                        partial.size(),
+                        partial.stride(),
+                    )
+                    self._partials.setdefault(key, []).append((entry, geometry))
+                    self.stats.relieved_partials += 1
+                    self.stats.relieved_bytes += entry.nbytes
+                    return None
+                self._offloader.release(entry)
+        self._summing.add(key)  # the rest go to autograd, in the order they arrive
+        held = self._sum_partials(key)
+        return partial if held is None else _accumulate(held, partial)
 
     def _join_partial(self, key: Any, rest: torch.Tensor | None) -> torch.Tensor | None:
-        """Bring the partial taken at ``key`` back and add the engine's sum of the other to it."""
-        with self._lock:
-            held = self._partials.pop(key, None)
-            if held is None:
-                return None
-            entry, geometry = held
-            try:
-                storage, waited = self._offloader.fetch(entry)
-            finally:
-                self._offloader.release(entry)
-            self.stats.wait_s += waited
-            self.stats.reloaded_bytes = self._offloader.loaded_bytes
-        dtype, offset, size, stride = geometry
-        back = torch.empty(0, dtype=dtype, device=entry.device).set_(storage, offset, size, stride)
-        if rest is None:
-            return back
-        # first + second, as autograd would have summed them; in place where that is safe.
-        if rest.shape == back.shape and rest.dtype == back.dtype and _dense(back):
-            return back.add_(rest)
-        return back + rest
+        """Bring the partials taken at ``key`` back, summed in the order they arrived, and add
+        the engine's sum of the rest to them."""
+        self._summing.discard(key)
+        held = self._sum_partials(key)
+        if held is None or rest is None:
+            return held
+        return _accumulate(held, rest)
+
+    def _sum_partials(self, key: Any) -> torch.Tensor | None:
+        """The partials taken at ``key`` brought back one at a time and summed; None if none."""
+        total: torch.Tensor | None = None
+        for entry, (dtype, offset, size, stride) in self._partials.pop(key, []):
+            with self._lock:
+                try:
+                    storage, waited = self._offloader.fetch(entry)
+                finally:
+                    self._offloader.release(entry)
+                self.stats.wait_s += waited
+                self.stats.reloaded_bytes = self._offloader.loaded_bytes
+            back = torch.empty(0, dtype=dtype, device=entry.device)
+            back.set_(storage, offset, size, stride)
+            total = back if total is None else _accumulate(total, back)
+        return total
 
     def _drop_partials(self) -> None:
         """Free the copies of partial gradients that no backward came back for."""
         partials, self._partials = self._partials, {}
-        for entry, _ in partials.values():
-            self._offloader.release(entry)
+        self._summing.clear()
+        for held in partials.values():
+            for entry, _ in held:
+                self._offloader.release(entry)
 
     # -- report ----------------------------------------------------------------------------
     def _log_step(self, step: _Step) -> None:
@@ -730,6 +758,14 @@ class LMS:
         """The folder holding this runtime's spill files, while it has one."""
         disk = self._offloader.disk
         return disk.folder if disk is not None else None
+
+
+def _accumulate(total: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
+    """``total + partial`` as autograd sums partial gradients; in place in ``total`` (a copy
+    brought back, no one else's) where that is safe."""
+    if partial.shape == total.shape and partial.dtype == total.dtype and _dense(total):
+        return total.add_(partial)
+    return total + partial
 
 
 def _dense(tensor: torch.Tensor) -> bool:

@@ -95,6 +95,9 @@ class JunctionRecord:
     """Storage of the sum the producer received (a partial's, when summed in place)."""
     accumulated: tuple[int, ...] = ()
     """Storages the engine's sums of the partials wrote, ``merged`` among them."""
+    taken: int = 1
+    """How many of the partials, first to arrive first, wait off the device when relieved
+    (`lms.runtime.junctions.partials_taken`)."""
 
     @property
     def partials(self) -> int:
@@ -103,8 +106,8 @@ class JunctionRecord:
 
     @property
     def nbytes(self) -> int:
-        """Bytes that wait off the device when relieved: every partial but the last."""
-        return sum(self.sizes[:-1])
+        """Bytes that wait off the device when relieved."""
+        return sum(self.sizes[: self.taken])
 
     @property
     def sums(self) -> frozenset[int]:

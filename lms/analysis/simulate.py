@@ -67,7 +67,7 @@ class SimResult:
     disk_peak_bytes: int = 0
     """Peak of bytes in spill files: the plan's ``spill`` entries, staged through host memory."""
     relieved_junctions: int = 0
-    """Gradient junctions whose first partial waited off the device (the plan's ``stash``)."""
+    """Gradient junctions whose partials waited off the device (the plan's ``stash``)."""
     relieved_bytes: int = 0
     """Bytes of those partials."""
     backward_start_s: float = 0.0
@@ -202,7 +202,7 @@ def simulate(
     takes_at: dict[int, list[tuple[int, int]]] = {}
     joins_at: dict[int, list[int]] = {}
     for ordinal, junction in relieved.items():
-        for k, arrive_op in enumerate(junction.arrive_ops[:-1]):
+        for k, arrive_op in enumerate(junction.arrive_ops[: junction.taken]):
             takes_at.setdefault(arrive_op, []).append((ordinal, k))
         joins_at.setdefault(junction.join_op, []).append(ordinal)
     taken: dict[tuple[int, int], tuple[float, float]] = {}  # copy out: start, done
@@ -341,7 +341,7 @@ def simulate(
             wait += h2d_free - now
             now = h2d_free
         for ordinal in joins_at.get(index, ()):
-            copied = (taken[ordinal, k][1] for k in range(relieved[ordinal].partials - 1))
+            copied = (taken[ordinal, k][1] for k in range(relieved[ordinal].taken))
             begin = max(now, h2d_free, *copied)
             h2d_free = begin + relieved[ordinal].nbytes / h2d_bw
             rejoined[ordinal] = (now, h2d_free)
@@ -374,9 +374,9 @@ def simulate(
     recomputed_storages = {entries[i][0]: i for i in recompute}
     roles = _junction_roles(relieved)
     for ordinal, junction in relieved.items():
-        for k, size in enumerate(junction.sizes[:-1]):
+        for k, size in enumerate(junction.sizes[: junction.taken]):
             host_spans.append((taken[ordinal, k][0], rejoined[ordinal][1], size))
-        if junction.partials > 2:  # the sum so far and the next partial, while copied in
+        if junction.taken > 1:  # the sum so far and the next partial, while copied in
             loading = Interval(junction.merged, junction.sizes[0], *rejoined[ordinal], "reloaded")
             intervals.append(loading)
     for record in trace.storages:
@@ -388,7 +388,7 @@ def simulate(
                 if k == _MERGED:  # the sum is made in the copy brought back
                     span = (rejoined[ordinal][0], finish)
                     intervals.append(Interval(record.id, record.nbytes, *span, "reloaded"))
-                elif k == junction.partials - 1:  # the last waits where the engine sums
+                elif k >= junction.taken:  # the last waits where the engine sums
                     out = max(rejoined[ordinal][1], finish)
                     intervals.append(Interval(record.id, record.nbytes, begin, out, record.kind))
                 elif k >= 0:  # on the device until copied out and read

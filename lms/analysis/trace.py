@@ -268,7 +268,14 @@ class _Recorder(TorchDispatchMode):
         ]
         self.joined.append(
             JunctionRecord(
-                key, grads, sizes, arrive_ops, len(self.ops), merged, tuple(sorted(set(made)))
+                key,
+                grads,
+                sizes,
+                arrive_ops,
+                len(self.ops),
+                merged,
+                tuple(sorted(set(made))),
+                junctions.partials_taken(len(grads)),
             )
         )
         return None

@@ -215,8 +215,8 @@ class Checker:
             else:
                 self.stash = self.stash | {ordinal}
         log.info(
-            "[LMS] [Planner] %d of %d gradient junctions send their first partial gradient off"
-            " the device until the second arrives",
+            "[LMS] [Planner] %d of %d gradient junctions send their partial gradients off the"
+            " device until they are summed",
             len(self.stash),
             len(junctions),
         )

@@ -66,9 +66,9 @@ def info_lines(
         )
     if planned.relieved_junctions:
         lines.append(
-            f"[LMS] At {planned.relieved_junctions} gradient junctions the first partial "
-            f"gradient waits in host memory for the second ({format_bytes(planned.relieved_bytes)}"
-            " out and back)"
+            f"[LMS] At {planned.relieved_junctions} gradient junctions the partial gradients "
+            f"wait in host memory to be summed ({format_bytes(planned.relieved_bytes)} out and"
+            " back)"
         )
     lines += [
         f"[LMS] Predicted peak with LMS: {format_bytes(planned.peak_bytes)}, {fits} in "

@@ -1,25 +1,28 @@
-"""Gradient junctions: where one tensor feeds two operations, its two partial gradients meet.
+"""Gradient junctions: where one tensor feeds several operations, its partial gradients meet.
 
 Note: [Why junctions, and how the sum stays bit for bit]
 Autograd sums the partial gradients of a tensor in the input buffer of the tensor's producer.
 The partial that arrives first waits there, on the device, while the other branches run their
 backward: at a residual block that is one more activation-sized buffer at the block's busiest
 moment, and no saved-tensor hook sees it, because a gradient is not a saved tensor. Hooks on the
-autograd nodes can move it: a post hook on each consumer takes each partial that arrives but the
-last (and hands the engine nothing in its place), a pre hook on the producer adds them back to
-what the engine has. The engine would have computed ``((p1 + p2) + p3) ...`` in the order the
-partials arrived; floating-point addition is commutative but not associative, so the join folds
-the partials it took in the same order and adds the last one, which the engine kept, at the end.
-That needs the number of consumer slots to be known before the first partial arrives, so a
-junction names it, counted over every node reachable from the first node of backward that reads
-a saved tensor.
+autograd nodes can move it: a post hook on each consumer takes the partials as they arrive (and
+hands the engine nothing, or a stand-in, in their place; see `partials_taken`), a pre hook on the
+producer brings them back and replaces what the engine has with their sum. The engine would have
+computed ``((p1 + p2) + p3) ...`` in the order the partials arrived; floating-point addition is
+commutative but not associative, so the join folds them in the same order, the partial the
+engine kept last, as it arrived last.
+
+That needs every consumer hooked before the first partial arrives, so a junction names its number
+of consumer slots. A walk from the first node of backward that reads a saved tensor counts them
+over every node reachable from there.
 
 That walk cannot see a branch that backward runs apart from it: with ``loss = a(t) + b(t)`` a
 consumer of ``t`` in ``b`` is not reachable from the first node of ``a``. The trace keeps every
 node forward makes (a function mode sees each op's ``grad_fn``) and counts consumers over all of
-them, and records a junction only where that many partials arrived; a plan names that count,
-and the runtime hooks a junction only where its own walk counts the same, so a partial it cannot
-see never lands in the middle of the fold.
+them, and records a junction only where that many partials arrived; a plan names that count. The
+runtime walks down from the node of every tensor the step saved as well (each branch of backward
+holds one, below which its consumers lie), and hooks a junction only where it counts as many, so
+a partial it cannot see never lands in the middle of the fold.
 
 The trace and the runtime name a junction by the saved entry (ordinal) of its tensor and find its
 autograd edge the same way: the tensor's ``grad_fn`` and ``output_nr`` when it is first saved.
@@ -32,10 +35,22 @@ from typing import Any
 
 import torch
 
-__all__ = ["Edge", "edge_of", "fan_in", "attach"]
+__all__ = ["Edge", "edge_of", "fan_in", "attach", "partials_taken"]
 
 Edge = tuple[Any, int]
 """An autograd edge: the node that produced a tensor and the tensor's output number there."""
+
+
+def partials_taken(partials: int) -> int:
+    """How many of the partials meeting at a relieved junction go off the device.
+
+    The engine must be handed one partial: a pre hook may not put a gradient where there was
+    none. Where two meet, the last stays, which costs nothing: it arrives just before the sum and
+    brought back it would take the same room. Where more meet, the sum so far and the next partial
+    brought back would sit beside it, so the last goes too and the engine is handed a zero that
+    takes no memory (a scalar expanded) in its place.
+    """
+    return partials - 1 if partials == 2 else partials
 
 
 def edge_of(tensor: torch.Tensor) -> Edge | None:

@@ -164,6 +164,8 @@ class LMS:
         self._back_bytes = 0  # bytes of offloaded storages brought back and not yet released
         self._partials: dict[Any, list[tuple[Entry, tuple[Any, ...]]]] = {}  # copies, geometry
         self._summing: set[Any] = set()  # junctions whose partials go to autograd this backward
+        self._meeting: dict[Any, int] = {}  # junction: partials that meet there
+        self._stand_ins: dict[Any, torch.Tensor] = {}  # junction: what autograd holds for the last
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
 
     # -- context ---------------------------------------------------------------------------
@@ -671,6 +673,7 @@ class LMS:
             consumers=junctions.fan_in(root, *starts),
             partials=self.plan.junction_partials(),
         )
+        self._meeting = hooked
         if len(hooked) != len(edges):
             log.info(
                 "[LMS] %d of the plan's %d gradient junctions are not junctions of as many "
@@ -680,9 +683,12 @@ class LMS:
             )
 
     def _take_partial(self, key: Any, partial: torch.Tensor, last: bool) -> torch.Tensor | None:
-        """Move a partial gradient at junction ``key`` out (None); or hand autograd what it
-        would have summed so far (the partial, after those taken), and take no more there."""
-        if last or key in self._summing:
+        """Move a partial gradient at junction ``key`` out: None, or for the last one a stand-in
+        for autograd to hold (see `junctions.partials_taken`). Or, where it cannot go, hand
+        autograd what it would have summed so far (the partials taken, then this one), and take
+        no more there in this backward."""
+        meeting = self._meeting.get(key, 2)
+        if key in self._summing or (last and junctions.partials_taken(meeting) < meeting):
             return partial
         if not torch.is_grad_enabled() and not self._keeps(partial):  # grad on: recorded
             with self._lock:
@@ -700,7 +706,11 @@ class LMS:
                     self._partials.setdefault(key, []).append((entry, geometry))
                     self.stats.relieved_partials += 1
                     self.stats.relieved_bytes += entry.nbytes
-                    return None
+                    if not last:
+                        return None
+                    stand_in = torch.zeros((), dtype=partial.dtype, device=partial.device)
+                    self._stand_ins[key] = stand_in
+                    return stand_in.expand(partial.shape)
                 self._offloader.release(entry)
         self._summing.add(key)  # the rest go to autograd, in the order they arrive
         held = self._sum_partials(key)
@@ -710,6 +720,9 @@ class LMS:
         """Bring the partials taken at ``key`` back, summed in the order they arrived, and add
         the engine's sum of the rest to them."""
         self._summing.discard(key)
+        stand_in = self._stand_ins.pop(key, None)
+        if rest is not None and stand_in is not None and rest.data_ptr() == stand_in.data_ptr():
+            rest = None  # every partial was taken
         held = self._sum_partials(key)
         if held is None or rest is None:
             return held
@@ -735,6 +748,7 @@ class LMS:
         """Free the copies of partial gradients that no backward came back for."""
         partials, self._partials = self._partials, {}
         self._summing.clear()
+        self._stand_ins.clear()
         for held in partials.values():
             for entry, _ in held:
                 self._offloader.release(entry)

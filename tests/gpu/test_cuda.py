@@ -151,21 +151,28 @@ def test_planned_spill_goes_to_disk_and_the_rest_to_host(deterministic_cudnn, sp
 
 
 @pytest.mark.parametrize("sync_mode", [0, 3])
-def test_relieved_junctions_bitwise_and_lower_backward_peak_on_cuda(deterministic_cudnn, sync_mode):
-    """The first partial gradient at each residual junction waits in pinned host memory."""
+@pytest.mark.parametrize("name", ["Residual", "Fan"])
+def test_relieved_junctions_bitwise_and_lower_backward_peak_on_cuda(
+    deterministic_cudnn, sync_mode, name
+):
+    """Partial gradients at junctions (of two in Residual, of three in Fan) wait in pinned host
+    memory."""
     import dataclasses
 
     from lms.analysis import simulate, trace_step
     from lms.analysis.devices import device_spec
-    from tests.runtime.test_junctions import Residual, _everything_out, step
+    from tests.runtime import test_junctions
+    from tests.runtime.test_junctions import _everything_out, step
 
+    build = getattr(test_junctions, name)
     x = torch.randn(1, 3, 1024, 1024, device="cuda")
     torch.manual_seed(0)
-    trace = trace_step(Residual, [x], step, device="cuda", min_offload_bytes=0)
+    trace = trace_step(build, [x], step, device="cuda", min_offload_bytes=0)
     held = dataclasses.replace(_everything_out(trace), sync_mode=sync_mode)
-    relieved = dataclasses.replace(held, stash=tuple(trace.junction_ordinals()))
+    relieved = _everything_out(trace, trace.junction_ordinals())
+    relieved = dataclasses.replace(relieved, sync_mode=sync_mode)
     torch.manual_seed(0)
-    model = Residual().cuda()
+    model = build().cuda()
     mean = lambda out: out.mean()  # noqa: E731
     ref = run_step(model, (x,), loss_fn=mean)
 
@@ -188,7 +195,8 @@ def test_relieved_junctions_bitwise_and_lower_backward_peak_on_cuda(deterministi
 
     held_growth, _ = backward_growth(held)
     relieved_growth, stats = backward_growth(relieved)
-    assert stats.relieved_partials == 2 * len(relieved.stash)
+    taken = sum(j.taken for j in trace.junction_ordinals().values())
+    assert stats.relieved_partials == 2 * taken
     spec = device_spec("h100-80gb")
 
     def simulated_growth(plan):

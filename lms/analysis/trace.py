@@ -291,9 +291,7 @@ class _ForwardNodes(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         out = func(*args, **(kwargs or {}))
         if torch._C._current_graph_task_id() == -1:
-            for value in tree_flatten(out)[0]:
-                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                    self.nodes.append(value.grad_fn)
+            self.nodes.extend(_nodes(out))
         return out
 
 

@@ -165,7 +165,6 @@ class LMS:
         self._partials: dict[Any, list[tuple[Entry, tuple[Any, ...]]]] = {}  # copies, geometry
         self._summing: set[Any] = set()  # junctions whose partials go to autograd this backward
         self._meeting: dict[Any, int] = {}  # junction: partials that meet there
-        self._stand_ins: dict[Any, torch.Tensor] = {}  # junction: what autograd holds for the last
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
 
     # -- context ---------------------------------------------------------------------------
@@ -709,7 +708,6 @@ class LMS:
                     if not last:
                         return None
                     stand_in = torch.zeros((), dtype=partial.dtype, device=partial.device)
-                    self._stand_ins[key] = stand_in
                     return stand_in.expand(partial.shape)
                 self._offloader.release(entry)
         self._summing.add(key)  # the rest go to autograd, in the order they arrive
@@ -720,9 +718,8 @@ class LMS:
         """Bring the partials taken at ``key`` back, summed in the order they arrived, and add
         the engine's sum of the rest to them."""
         self._summing.discard(key)
-        stand_in = self._stand_ins.pop(key, None)
-        if rest is not None and stand_in is not None and rest.data_ptr() == stand_in.data_ptr():
-            rest = None  # every partial was taken
+        if len(self._partials.get(key, ())) == self._meeting.get(key):
+            rest = None  # every partial was taken: autograd holds the stand-in for the last
         held = self._sum_partials(key)
         if held is None or rest is None:
             return held
@@ -748,7 +745,6 @@ class LMS:
         """Free the copies of partial gradients that no backward came back for."""
         partials, self._partials = self._partials, {}
         self._summing.clear()
-        self._stand_ins.clear()
         for held in partials.values():
             for entry, _ in held:
                 self._offloader.release(entry)

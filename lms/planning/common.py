@@ -147,15 +147,21 @@ class Checker:
             plan, predicted_peak_bytes=result.peak_bytes, predicted_overhead=result.overhead
         )
 
-    def require_feasible(self) -> tuple[Plan, SimResult]:
+    def require_feasible(self, first: str = "stash") -> tuple[Plan, SimResult]:
         """The smallest-memory plan (everything out, copies waited for); raises if it fails.
 
-        When even that does not fit, the partial gradients that wait at gradient junctions go off
-        the device too, and then tensors that backward reads at several places are read back for
-        each use rather than held between uses. Of each, the fewest that fit are kept (in `stash`
-        and `refetch`) for the plans that follow.
+        When even that does not fit, two remedies are tried, ``first`` ("stash" or "refetch")
+        first and the other only if it alone does not fit: the partial gradients that wait at
+        gradient junctions go off the device too (stash), or tensors that backward reads at
+        several places are read back for each use rather than held between uses (refetch). Of
+        each, the fewest that fit are kept (in `stash` and `refetch`) for the plans that follow.
         """
+        if first not in ("stash", "refetch"):
+            raise ValueError(f"lms: first must be 'stash' or 'refetch', not {first!r}")
         found, best = self._everything_out()
+        if found is None and first == "refetch":
+            found = self._fewest_refetches()
+            self.refetch = self.refetch if found else frozenset()
         if found is None and self.trace.junctions:
             self.stash = frozenset(self.trace.junction_ordinals())
             found, relieved = self._everything_out()

@@ -39,11 +39,13 @@ def plan_greedy(
     *,
     half: bool = False,
     max_simulations: int = 3000,
+    first: str = "stash",
 ) -> Plan:
     """The plan with the shortest predicted step that fits ``budget_bytes``.
 
     The search stops refining after ``max_simulations`` simulations (a count, not a time, so the
-    same step gives the same plan on any machine, however loaded).
+    same step gives the same plan on any machine, however loaded). ``first`` is the remedy tried
+    first where offloading everything alone does not fit (`Checker.require_feasible`).
 
     Raises:
         PlanInfeasibleError: when not even offloading everything fits.
@@ -52,7 +54,7 @@ def plan_greedy(
     plain = checker.run(None)
     if checker.fits(plain):
         return checker.finish(checker.plan((), source="planner"), plain)
-    minimum_plan, minimum = checker.require_feasible()
+    minimum_plan, minimum = checker.require_feasible(first)
     entries = trace.entries()
     first_use = trace.first_use_op()
     horizon = len(trace.ops)

@@ -2,13 +2,14 @@
 
 import dataclasses
 
+import pytest
 import torch
 import torch.nn as nn
 
 import lms
 from lms.analysis import simulate, trace_step
 from lms.plan import Plan
-from lms.planning import plan_greedy
+from lms.planning import plan_auto, plan_greedy
 from lms.planning.common import Checker
 from tests.conftest import assert_bitwise, run_step
 from tests.planning.test_planners import small_spec
@@ -87,6 +88,40 @@ def test_planner_reads_back_per_use_only_when_holding_cannot_fit():
         assert error.min_budget_bytes == low
     else:
         raise AssertionError("a budget below the per-use minimum must be infeasible")
+
+
+class ReuseThrice(Reuse):
+    """``h`` is read in backward at two places and meets three partial gradients: relieving the
+    junction moves three copies where reading ``h`` back moves one."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return h * self.b(h) + self.chain(h)
+
+
+def test_auto_planner_searches_from_either_remedy_and_keeps_the_faster():
+    torch.manual_seed(0)
+    trace = trace_step(
+        ReuseThrice(), [torch.randn(2048, 256)], _step, device="cpu", min_offload_bytes=0
+    )
+    (junction,) = trace.junction_ordinals().values()
+    assert junction.partials == 3
+    spec = small_spec()
+    budget = simulate(trace, _plans(trace)[1], spec).peak_bytes  # reading back per use fits
+    stashing = plan_greedy(trace, spec, budget)
+    reading = plan_greedy(trace, spec, budget, first="refetch")
+    assert stashing.stash and not stashing.refetch
+    assert reading.refetch and not reading.stash
+    for plan in (stashing, reading):
+        assert simulate(trace, plan, spec).peak_bytes <= budget
+    assert reading.predicted_overhead < stashing.predicted_overhead
+    assert plan_auto(trace, spec, budget).predicted_overhead == reading.predicted_overhead
+    with pytest.raises(ValueError, match="first"):
+        Checker(trace, spec, budget).require_feasible("both")
 
 
 def test_runtime_reads_back_per_use_bitwise(spill_dir):

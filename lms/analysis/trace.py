@@ -71,6 +71,7 @@ class _Recorder(TorchDispatchMode):
         self.edge_of: dict[int, junctions.Edge] = {}  # storage: edge when first saved
         self.walked = False
         self.forward_nodes = _ForwardNodes()
+        self.saved_nodes: list[Any] = []  # grad_fn of each tensor forward saved
         self.arrivals: dict[int, list[tuple[int, int, int]]] = {}
         self.joined: list[JunctionRecord] = []
         self.meeting: dict[Any, int] = {}  # junction: how many partials meet there
@@ -212,6 +213,8 @@ class _Recorder(TorchDispatchMode):
     # -- saved tensors -----------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.level += 1
+        if not self.walked and tensor.grad_fn is not None:
+            self.saved_nodes.append(tensor.grad_fn)
         sid, _ = self.storage_id(tensor)
         base = tensor if tensor._base is None else tensor._base
         offloadable = not (
@@ -235,9 +238,18 @@ class _Recorder(TorchDispatchMode):
             for sid, edge in self.edge_of.items():
                 edges.setdefault(edge, sid)
             consumers = junctions.fan_in(root, *self.forward_nodes.nodes)
+            # The runtime cannot keep every forward node; it walks down from the saved tensors'
+            # nodes and hooks only what it counts there. A junction it would miss is left out.
+            seen = junctions.fan_in(root, *self.saved_nodes)
             self.forward_nodes.nodes.clear()
+            self.saved_nodes.clear()
+            visible = {
+                edge: key
+                for edge, key in edges.items()
+                if len(seen.get(edge, ())) == len(consumers.get(edge, ()))
+            }
             self.meeting = junctions.attach(
-                edges, root, self.arrive, self.join, consumers=consumers
+                visible, root, self.arrive, self.join, consumers=consumers
             )
         self.level += 1
         sid, _ = self.storage_id(tensor)

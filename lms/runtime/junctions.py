@@ -22,7 +22,10 @@ node forward makes (a function mode sees each op's ``grad_fn``) and counts consu
 them, and records a junction only where that many partials arrived; a plan names that count. The
 runtime walks down from the node of every tensor the step saved as well (each branch of backward
 holds one, below which its consumers lie), and hooks a junction only where it counts as many, so
-a partial it cannot see never lands in the middle of the fold.
+a partial it cannot see never lands in the middle of the fold. A consumer in a branch where no op
+saves a tensor stays out of its sight all the same; the trace also walks as the runtime does and
+records no junction where the two counts differ, so the simulation never counts on relieving one
+the runtime will leave to autograd.
 
 The trace and the runtime name a junction by the saved entry (ordinal) of its tensor and find its
 autograd edge the same way: the tensor's ``grad_fn`` and ``output_nr`` when it is first saved.

@@ -336,6 +336,51 @@ def test_trace_counts_consumers_in_branches_backward_runs_apart(third):
     assert found.partials == (3 if third else 2)
 
 
+class SumApart(nn.Module):
+    """``t`` also feeds a sum in a branch where no op saves a tensor: no walk down from a saved
+    tensor's node reaches that consumer, so the runtime counts one partial fewer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        t = self.lin(x)
+        s = t.sum()  # made first: backward runs it last, after the first saved tensor is read
+        return s + (t * torch.tanh(t)).sum()
+
+
+def test_trace_leaves_out_a_junction_the_runtime_cannot_count(spill_dir):
+    def loss_step(model, batch):
+        loss = model(*batch)
+        loss.backward()
+        return loss
+
+    x = torch.randn(512, 64)
+    trace = trace_step(SumApart, [x], loss_step, min_offload_bytes=0)
+    t_bytes = 512 * 64 * 4
+    assert not [j for j in trace.junctions if j.sizes[0] == t_bytes]
+    # What the runtime does with a plan that names the three partials forward made at t (and,
+    # not knowing which entry is t, at every entry of its size): it counts two at t, hooks
+    # nothing, and autograd sums them.
+    named = tuple(i for i, (_, size, _) in enumerate(trace.entries()) if size == t_bytes)
+    n = len(trace.entries())
+    plan = Plan(
+        fingerprint=trace.fingerprint(),
+        offload=tuple(range(n)),
+        num_entries=n,
+        stash=named,
+        stash_partials=(3,) * len(named),
+    )
+    torch.manual_seed(0)
+    model = SumApart()
+    ref = run_step(model, (x,), loss_fn=lambda out: out)
+    offload = lms.LMS(plan=plan, min_offload_bytes=0, tier="disk", spill_dir=spill_dir)
+    assert_bitwise(ref, run_step(model, (x,), offload, loss_fn=lambda out: out))
+    assert offload.stats.relieved_partials == 0
+    offload.close()
+
+
 @pytest.mark.parametrize("third", [False, True])
 def test_runtime_finds_consumers_in_branches_backward_runs_apart(spill_dir, third):
     def loss_step(model, batch):

@@ -190,6 +190,51 @@ def test_runtime_relieves_junctions_bitwise(spill_dir, branches, taken, sync_mod
     offload.close()
 
 
+class SignedZeros(nn.Module):
+    """``t`` meets three partials that are -0.0 wherever every branch weight is zero; the
+    gradient of ``scale`` is that sum times a positive input, so it shows the sign of each zero.
+    Adding autograd's stand-in (+0.0) to the sum would turn them to +0.0."""
+
+    def __init__(self, branches=3, size=64):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1, 4, size, size))
+        weights = torch.randn(branches, 1, 4, size, size)
+        weights[:, :, :, : size // 2] = 0  # zero in every branch: those sums are -0.0
+        self.weights = nn.ParameterList(nn.Parameter(w) for w in weights)
+
+    def forward(self, x):
+        t = self.scale * x
+        return torch.cat([torch.tanh(t * w) for w in self.weights], 1)  # tanh saves: in sight
+
+
+def test_the_stand_in_for_the_last_partial_is_never_added(spill_dir):
+    x = torch.rand(1, 4, 64, 64) + 1
+    negative = lambda out: -out.mean()  # noqa: E731
+
+    def loss_step(model, batch):
+        loss = negative(model(*batch))
+        loss.backward()
+        return loss
+
+    trace = trace_step(SignedZeros, [x], loss_step, min_offload_bytes=0)
+    (junction,) = trace.junction_ordinals().values()
+    assert junction.partials == junction.taken == 3
+    torch.manual_seed(0)
+    model = SignedZeros()
+    ref = run_step(model, (x,), loss_fn=negative)
+    zeros = ref[1][0] == 0
+    assert zeros.any() and torch.signbit(ref[1][0][zeros]).all()
+    offload = lms.LMS(
+        plan=_everything_out(trace, trace.junction_ordinals()),
+        min_offload_bytes=0,
+        tier="disk",
+        spill_dir=spill_dir,
+    )
+    assert_bitwise(ref, run_step(model, (x,), offload, loss_fn=negative))
+    assert offload.stats.relieved_partials == 3
+    offload.close()
+
+
 def test_a_partial_that_cannot_go_out_hands_autograd_the_sum_so_far(spill_dir, monkeypatch):
     trace = _fan_trace(branches=4)
     n = len(trace.entries())

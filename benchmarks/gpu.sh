@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What a GPU machine runs (about 10 minutes): the link probe, then the seed's sweeps measured with
 # the card limited to 32 GiB as the seed's V100 (fp32 and bf16 autocast), LMS beside no offload,
-# save_on_cpu and activation checkpointing, and the simulator's predictions for the same sizes.
+# save_on_cpu and activation checkpointing, and the simulator's predictions for the same sizes
+# (priced at the rates the card is measured to reach).
 #
 #   benchmarks/gpu.sh                 # everything
 #   benchmarks/gpu.sh link resnet50   # some parts: link resnet50 resnet50_amp unet3d deeplabv3 analyze
@@ -43,7 +44,7 @@ print(info); json.dump(info, open('$out/link.json', 'w'), indent=2)
     analyze)
       for model in resnet50:8000 unet3d:288 deeplabv3:1400; do
         $PY -m lms -q analyze --model "${model%%:*}" --image-size "${model##*:}" \
-          --gpu-memory 32GiB --device-spec h100 --json "$out/analyze_${model%%:*}.json"
+          --gpu-memory 32GiB --device-spec local --json "$out/analyze_${model%%:*}.json"
       done ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac

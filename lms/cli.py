@@ -150,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     analyze = commands.add_parser("analyze", help="trace a step with fake tensors and simulate")
     _add_model_args(analyze)
     analyze.add_argument("--gpu-memory", type=str, default=None, help="e.g. 32GiB")
-    analyze.add_argument("--device-spec", default="v100-32gb", help="see lms.analysis.DEVICES")
+    analyze.add_argument(
+        "--device-spec",
+        default="v100-32gb",
+        help="see lms.analysis.DEVICES; 'local': this machine's device, its rates measured",
+    )
     analyze.add_argument(
         "--host-memory", default=None, help="host memory for offloaded data, e.g. 64GiB"
     )

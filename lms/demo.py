@@ -14,9 +14,10 @@ import torch
 from tqdm import tqdm
 
 from lms._units import format_bytes
-from lms.analysis import device_spec, report_for, simulate, trace_step
+from lms.analysis import report_for, simulate, trace_step
 from lms.bench.rss import PeakRSS
 from lms.runtime import LMS
+from lms.tuning import local_device_spec
 from lms.zoo import zoo_model
 
 __all__ = ["run_demo"]
@@ -36,7 +37,7 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     device = torch.device("cuda" if cuda else "cpu")
     size, batch = (GPU_SIZE, GPU_BATCH) if cuda else (CPU_SIZE, CPU_BATCH)
     entry = zoo_model(MODEL)
-    spec = device_spec("h100" if cuda else "cpu")
+    spec = local_device_spec(device)
 
     # 1. Trace with fake tensors: the plain peak sets the budget; then plan for it.
     trace = trace_step(

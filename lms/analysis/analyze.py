@@ -144,7 +144,8 @@ def analyze(
         batch: the input tensors (as `trace_step` takes them), or a function that makes them.
         step_fn: ``step_fn(model, batch)`` runs forward, loss and backward.
         gpu_memory: device memory the step may use (default: the spec's whole memory).
-        device_spec: a `DeviceSpec` or its name (see `lms.analysis.devices.DEVICES`).
+        device_spec: a `DeviceSpec` or its name (see `lms.analysis.devices.DEVICES`); "local"
+            for this machine's device with its rates measured (`lms.tuning.local_device_spec`).
         host_memory: host memory for offloaded data; beyond it the plan spills to disk (default:
             the spec's, unlimited for the named specs).
         autocast: trace under autocast to this dtype.
@@ -230,4 +231,8 @@ def report_for(
 
 
 def _spec(name: str) -> DeviceSpec:
-    return device_spec(name)
+    if name != "local":
+        return device_spec(name)
+    from lms.tuning import local_device_spec
+
+    return local_device_spec(torch.device("cuda" if torch.cuda.is_available() else "cpu"))

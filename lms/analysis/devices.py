@@ -20,11 +20,12 @@ class DeviceSpec:
     memory_bytes: int
     """Device memory."""
     peak_flops: float
-    """Dense fp32 (or tf32 where used by default) rate, FLOP/s."""
+    """Dense fp32 (or tf32 where used by default) rate, FLOP/s: the datasheet's peak, or on the
+    local GPU what a convolution reaches (`lms.tuning.local_device_spec`)."""
     peak_flops_half: float
-    """fp16/bf16 tensor-core rate, FLOP/s."""
+    """fp16/bf16 tensor-core rate, FLOP/s (likewise)."""
     memory_bandwidth_gbps: float
-    """Device memory bandwidth, GB/s."""
+    """Device memory bandwidth, GB/s (likewise)."""
     d2h_gbps: float
     """Copy bandwidth device to host (or to disk for "cpu"), GB/s per direction."""
     h2d_gbps: float

@@ -1,5 +1,6 @@
 """Reports: simulator invariants, [LMS] lines, the PNG, the memory_viz snapshot, the CLI."""
 
+import dataclasses
 import json
 import pickle
 import pickletools
@@ -84,6 +85,32 @@ def test_slower_link_costs_more_time(report):
     fast = simulate(trace, plan, device_spec("gh200"))
     slow = simulate(trace, plan, device_spec("v100-32gb-pcie3"))
     assert slow.overhead > fast.overhead
+
+
+def test_measured_compute_prices_ops_and_hides_copies(report):
+    # What a convolution and an add reach here, and what that does to the prediction.
+    from lms.tuning import measure_compute
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # measured in fp32 all the same
+        rates = measure_compute(torch.device("cpu"), at_least_s=0.01)
+    assert 1e8 < rates.flops < 1e13 and 1e7 < rates.flops_half < 1e13
+    assert 0.1 < rates.bandwidth_gbps < 1000
+    trace = report.trace
+    n = len(trace.entries())
+    plan = Plan(fingerprint="x", offload=tuple(range(n)), num_entries=n)
+    peak = device_spec("v100-32gb")
+    measured = dataclasses.replace(
+        peak,
+        peak_flops=peak.peak_flops / 10,
+        peak_flops_half=peak.peak_flops_half / 10,
+        memory_bandwidth_gbps=peak.memory_bandwidth_gbps / 10,
+    )
+    fast, slow = simulate(trace, plan, peak), simulate(trace, plan, measured)
+    assert slow.base_step_s > 5 * fast.base_step_s
+    assert slow.overhead < fast.overhead  # the same copies hide behind longer compute
+    assert analyze(deep, lambda: [torch.randn(1, 3, 32, 32)], device_spec="local").spec.name == (
+        "cpu"
+    )
 
 
 def test_lines_say_what_tflms_said(report):

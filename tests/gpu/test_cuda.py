@@ -68,6 +68,18 @@ def test_max_memory_allocated_is_reduced():
     assert with_lms < 0.6 * plain, (with_lms, plain)
 
 
+def test_local_spec_prices_compute_at_measured_rates():
+    from lms.analysis.devices import DEVICES
+    from lms.tuning import local_device_spec
+
+    spec = local_device_spec(torch.device("cuda"))
+    table = [s for s in DEVICES.values() if s.name == spec.name]
+    assert table, spec.name
+    for field in ("peak_flops", "peak_flops_half", "memory_bandwidth_gbps"):
+        measured, peak = getattr(spec, field), getattr(table[0], field)
+        assert 0.02 * peak < measured <= peak, (field, measured, peak)
+
+
 def test_simulated_peak_within_5pct_of_cuda():
     from lms.analysis import simulate, trace_step
     from lms.tuning import local_device_spec

@@ -20,6 +20,8 @@ __all__ = ["main"]
 
 log = logging.getLogger("lms.cli")
 
+_BATCH_HELP = "samples a step (default: the smallest the model trains on, 1 for most)"
+
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -28,7 +30,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="zoo model (resnet50, googlenet, ...) or package.module:builder",
     )
     parser.add_argument("--image-size", type=int, required=True, help="edge in pixels/voxels")
-    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=None, help=_BATCH_HELP)
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
 
 
@@ -52,6 +54,7 @@ def _analyze(args: argparse.Namespace) -> int:
     from lms.zoo import zoo_model
 
     entry = zoo_model(args.model)
+    entry.check_batch(args.batch_size)
     report = analyze(
         entry.build,
         lambda: entry.make_batch(args.image_size, args.batch_size),
@@ -169,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--step", type=int, required=True, help="edge increment")
     sweep.add_argument("--start", type=int, default=None, help="first edge (default: --step)")
     sweep.add_argument("--max-size", type=int, default=None)
-    sweep.add_argument("--batch-size", type=int, default=1)
+    sweep.add_argument("--batch-size", type=int, default=None, help=_BATCH_HELP)
     sweep.add_argument("--amp", action="store_true")
     sweep.add_argument("--device-spec", default="v100-32gb")
     sweep.add_argument("--json")
@@ -191,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--sizes", required=True, help="comma-separated edges")
     bench.add_argument("--budget", default=None)
     bench.add_argument("--methods", default="none,lms,save_on_cpu,checkpoint")
-    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--batch-size", type=int, default=None, help=_BATCH_HELP)
     bench.add_argument("--steps", type=int, default=3)
     bench.add_argument("--amp", action="store_true")
     bench.add_argument(
@@ -222,6 +225,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "gpu_memory", None) is not None:
             parse_bytes(args.gpu_memory, field="--gpu-memory")
+        if getattr(args, "model", None) is not None and args.batch_size is None:
+            from lms.zoo import zoo_model
+
+            args.batch_size = zoo_model(args.model).min_batch
         os.makedirs(getattr(args, "out", ".") or ".", exist_ok=True)
         return int(args.run(args))
     except (LMSError, ValueError) as error:

@@ -41,6 +41,7 @@ def sweep(
     Returns a JSON-ready dict with ``max_size_without_lms``, ``max_size_with_lms`` and ``points``.
     """
     entry = zoo_model(model)
+    entry.check_batch(batch_size)
     budget = parse_bytes(gpu_memory, field="gpu_memory")
     spec = lookup_spec(device_spec, memory=budget)
     half = amp

@@ -95,10 +95,12 @@ def train(
 
     Raises:
         PlanInfeasibleError: with method "lms", before training, when the budget cannot fit.
+        ValueError: an unknown method, or a batch below the model's smallest.
     """
     if method not in METHODS:
         raise ValueError(f"lms: method={method!r} is not one of {', '.join(METHODS)}")
     entry: ZooModel = zoo_model(model_name)
+    entry.check_batch(batch_size)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = target.type == "cuda"
     torch.manual_seed(0)

@@ -29,6 +29,21 @@ class ZooModel:
     """Elements (pixels, voxels, tokens) of one sample at ``size``."""
     default_size: int
     step_fn: Callable[[torch.nn.Module, Sequence[torch.Tensor]], torch.Tensor] | None = None
+    min_batch: int = 1
+    """The smallest batch the model trains on; the command line's default batch size."""
+    min_batch_reason: str = ""
+
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse a batch the model cannot train on, before anything is built.
+
+        Raises:
+            ValueError: ``batch_size`` is below `min_batch` (the message says why).
+        """
+        if batch_size < self.min_batch:
+            raise ValueError(
+                f"lms: {self.name} trains on batches of {self.min_batch} or more "
+                f"({self.min_batch_reason}); got batch size {batch_size}"
+            )
 
 
 def _resnet50() -> torch.nn.Module:
@@ -138,7 +153,16 @@ ZOO: dict[str, ZooModel] = {
             _classify_step,
         ),
         ZooModel(
-            "deeplabv3", _deeplabv3, _segmentation, "pixels", lambda s: s * s, 512, _classify_step
+            "deeplabv3",
+            _deeplabv3,
+            _segmentation,
+            "pixels",
+            lambda s: s * s,
+            512,
+            _classify_step,
+            min_batch=2,
+            min_batch_reason="the BatchNorm after its image pooling sees one value per channel "
+            "in a sample, and training mode needs more than one",
         ),
         ZooModel("unet3d", _unet3d, _volumes, "voxels", lambda s: s**3, 96, _classify_step),
         ZooModel("tinylm", TinyLM, _tokens, "tokens", lambda s: s, 2048, _lm_step),

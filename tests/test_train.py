@@ -125,3 +125,21 @@ def test_cli_analyzes_an_imported_builder_and_refuses_bad_names(tmp_path, capsys
     for bad in ("resnet5", "no.such.module:build", "torchvision.models:no_such_net"):
         assert main(["analyze", "--model", bad, "--image-size", "64"]) == 2
         assert "lms: model=" in capsys.readouterr().err
+
+
+def test_deeplabv3_refuses_a_batch_of_one_and_defaults_to_two(tmp_path, capsys):
+    from lms.bench.compare import bench
+
+    with pytest.raises(ValueError, match="deeplabv3 trains on batches of 2 or more"):
+        train("deeplabv3", size=64, batch_size=1, steps=1, method="none", device="cpu")
+    with pytest.raises(ValueError, match="got batch size 1"):
+        bench("deeplabv3", sizes=[64], budget=None, methods=["none"], batch_size=1)
+    assert main(["analyze", "--model", "deeplabv3", "--image-size", "64", "--batch-size", "1"]) == 2
+    assert "BatchNorm after its image pooling" in capsys.readouterr().err
+    out = tmp_path / "r.json"
+    assert (
+        main(["-q", "analyze", "--model", "deeplabv3", "--image-size", "64", "--json", str(out)])
+        == 0
+    )
+    report = json.loads(out.read_text())
+    assert report["model"] == "deeplabv3 64px batch 2" and report["input_shapes"][0][0] == 2

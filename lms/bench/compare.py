@@ -76,6 +76,9 @@ def bench(
             result's ``not_run``.
         on_point: called with the summary so far after each run (to keep partial results).
     """
+    from lms.zoo import zoo_model
+
+    zoo_model(model).check_batch(batch_size)  # before any run starts
     limit = parse_bytes(budget, field="budget") if budget is not None else None
     points: list[dict[str, Any]] = []
     failed: set[str] = set()

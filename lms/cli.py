@@ -127,6 +127,7 @@ def _bench(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         steps=args.steps,
         amp=args.amp,
+        repeats=args.repeats,
         timeout_s=args.run_timeout,
         time_limit_s=args.time_limit,
         on_point=(lambda partial: _write_json(args.json, partial)) if args.json else None,
@@ -196,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--methods", default="none,lms,save_on_cpu,checkpoint")
     bench.add_argument("--batch-size", type=int, default=None, help=_BATCH_HELP)
     bench.add_argument("--steps", type=int, default=3)
+    bench.add_argument(
+        "--repeats", type=int, default=1, help="runs of each method a size, in rotated order"
+    )
     bench.add_argument("--amp", action="store_true")
     bench.add_argument(
         "--time-limit", type=float, default=None, help="seconds after which no run starts"

@@ -143,3 +143,67 @@ def test_deeplabv3_refuses_a_batch_of_one_and_defaults_to_two(tmp_path, capsys):
     )
     report = json.loads(out.read_text())
     assert report["model"] == "deeplabv3 64px batch 2" and report["input_shapes"][0][0] == 2
+
+
+def test_bench_rotates_the_methods_and_keeps_each_median(monkeypatch):
+    from lms.bench import compare
+
+    order = []
+    times = {"none": iter([3.0, 1.0, 1.5]), "lms": iter([5.0, 4.0, 9.0])}
+
+    def fake_run(arguments, timeout_s):
+        method, size = arguments["method"], arguments["size"]
+        order.append((size, method))
+        if method == "none" and size == 128:  # over the budget at the second size
+            return {
+                "ok": True,
+                "step_s": 1.0,
+                "peak_bytes": 2048,
+                "elements_per_s": 1.0,
+                "unit": "pixels",
+            }
+        step_s = next(times[method]) if size == 64 else 1.0
+        return {
+            "ok": True,
+            "step_s": step_s,
+            "peak_bytes": 100 + len(order),
+            "elements_per_s": 1.0,
+            "unit": "pixels",
+        }
+
+    monkeypatch.setattr(compare, "_run", fake_run)
+    result = compare.bench(
+        "resnet50", sizes=[64, 128, 256], budget=1024, methods=["none", "lms"], repeats=3
+    )
+    # Rounds alternate which method goes first; a method over budget runs no more.
+    assert order[:6] == [(64, "none"), (64, "lms"), (64, "lms"), (64, "none")] + [
+        (64, "none"),
+        (64, "lms"),
+    ]
+    assert order.count((128, "none")) == 1 and (256, "none") not in order
+    points = {(p["size"], p["method"]): p for p in result["points"]}
+    assert points[64, "none"]["step_s"] == 1.5 and points[64, "none"]["step_s_runs"] == [3, 1, 1.5]
+    assert points[64, "lms"]["step_s"] == 5.0
+    assert points[64, "lms"]["peak_bytes"] == max(
+        100 + i for i, r in enumerate(order, 1) if r == (64, "lms")
+    )
+    assert result["slowdown_vs_none"]["lms"] == {"64": 5.0 / 1.5 - 1}
+    assert result["largest_size"] == {"none": 64, "lms": 256}
+    with pytest.raises(ValueError, match="repeats=0"):
+        compare.bench("resnet50", sizes=[64], budget=None, repeats=0)
+
+
+def test_cli_bench_measures_each_run_in_its_own_process(tmp_path):
+    out, plot = tmp_path / "b.json", tmp_path / "b.png"
+    argv = ["-q", "bench", "--model", "resnet50", "--sizes", "64", "--methods", "none,lms"]
+    argv += ["--steps", "1", "--repeats", "2", "--json", str(out), "--plot", str(plot)]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [(p["method"], p["fits"], len(p["step_s_runs"])) for p in result["points"]] == [
+        ("none", True, 2),
+        ("lms", True, 2),
+    ]
+    assert all(
+        p["step_s"] in p["step_s_runs"] and p["elements_per_s"] > 0 for p in result["points"]
+    )
+    assert plot.stat().st_size > 0

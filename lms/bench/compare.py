@@ -65,6 +65,7 @@ def bench(
     batch_size: int = 1,
     steps: int = 3,
     amp: bool = False,
+    repeats: int = 1,
     timeout_s: float = 900,
     time_limit_s: float | None = None,
     on_point: Callable[[dict[str, Any]], None] | None = None,
@@ -72,73 +73,109 @@ def bench(
     """Measure every method at every size; stop a method after its first size that fails.
 
     Args:
+        repeats: runs of each method at each size, the methods' order rotated each round so
+            that none always runs first; a point keeps the median step time (``step_s_runs``
+            has them all) and fits only if every run did.
         time_limit_s: start no run after this many seconds; the runs left out are listed in the
             result's ``not_run``.
-        on_point: called with the summary so far after each run (to keep partial results).
+        on_point: called with the summary so far after each point (to keep partial results).
     """
     from lms.zoo import zoo_model
 
     zoo_model(model).check_batch(batch_size)  # before any run starts
+    if repeats < 1:
+        raise ValueError(f"lms: repeats={repeats} must be at least 1")
     limit = parse_bytes(budget, field="budget") if budget is not None else None
     points: list[dict[str, Any]] = []
     failed: set[str] = set()
     not_run: list[dict[str, Any]] = []
     started = time.perf_counter()
-    runs = [(size, method) for size in sizes for method in methods]
-    for size, method in tqdm(runs, desc=f"bench {model}", unit="run"):
-        if method in failed:
-            continue
-        if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
-            not_run.append({"size": size, "method": method})
-            continue
-        arguments = {
-            "model": model,
-            "size": size,
-            "batch_size": batch_size,
-            "steps": steps,
-            "method": method,
-            "budget": limit,
-            "amp": amp,
-        }
-        run: dict[str, Any]
-        try:
-            done = subprocess.run(
-                [sys.executable, "-c", _CHILD, json.dumps(arguments)],
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-            )
-            lines = done.stdout.strip().splitlines()
-            run = (
-                json.loads(lines[-1])
-                if lines
-                else {
-                    "ok": False,
-                    "error": (done.stderr.strip().splitlines() or ["no output"])[-1],
-                }
-            )
-        except subprocess.TimeoutExpired:
-            run = {"ok": False, "error": f"timed out after {timeout_s:.0f} s"}
-        within = run.get("ok") and (limit is None or run["peak_bytes"] <= limit)
-        point = {"size": size, "method": method, "fits": bool(within), **run}
-        points.append(point)
-        if not within:
-            failed.add(method)
-        log.info(
-            "[LMS] %s %d %s: %s",
-            model,
-            size,
-            method,
-            f"{run['step_s']:.3f} s/step, {format_rate(run['elements_per_s'], run['unit'])}, "
-            f"peak {format_bytes(run['peak_bytes'])}" + ("" if within else " (over budget)")
-            if run.get("ok")
-            else run.get("error", "failed"),
-        )
-        if on_point is not None:
-            on_point(summarize(model, points, limit, methods))
+    bar = tqdm(total=len(sizes) * len(methods) * repeats, desc=f"bench {model}", unit="run")
+    for size in sizes:
+        runs: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
+        for round_ in range(repeats):
+            turn = round_ % len(methods)
+            for method in [*methods[turn:], *methods[:turn]]:
+                done = runs[method]
+                skip = method in failed or bool(done and not _fits(done[-1], limit))
+                if not skip and time_limit_s is not None:
+                    skip = time.perf_counter() - started > time_limit_s
+                    if skip and {"size": size, "method": method} not in not_run:
+                        not_run.append({"size": size, "method": method})
+                if not skip:
+                    bar.set_postfix(size=size, method=method)
+                    arguments = {
+                        "model": model,
+                        "size": size,
+                        "batch_size": batch_size,
+                        "steps": steps,
+                        "method": method,
+                        "budget": limit,
+                        "amp": amp,
+                    }
+                    done.append(_run(arguments, timeout_s))
+                bar.update()
+        for method in methods:
+            if not runs[method]:
+                continue
+            point = _point(size, method, runs[method], limit)
+            points.append(point)
+            if not point["fits"]:
+                failed.add(method)
+            log.info("[LMS] %s %d %s: %s", model, size, method, _describe(point))
+            if on_point is not None:
+                on_point(summarize(model, points, limit, methods))
+    bar.close()
     if not_run:
         log.info("[LMS] %s: %d runs left out by the time limit", model, len(not_run))
     return {**summarize(model, points, limit, methods), "not_run": not_run}
+
+
+def _run(arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """One measurement in a fresh process: its JSON result, or why it failed."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps(arguments)],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout_s:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    if lines:
+        result: dict[str, Any] = json.loads(lines[-1])
+        return result
+    return {"ok": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+
+
+def _describe(point: dict[str, Any]) -> str:
+    if not point.get("ok"):
+        return str(point.get("error", "failed"))
+    rate = format_rate(point["elements_per_s"], point["unit"])
+    over = "" if point["fits"] else " (over budget)"
+    return f"{point['step_s']:.3f} s/step, {rate}, peak {format_bytes(point['peak_bytes'])}{over}"
+
+
+def _fits(run: dict[str, Any], limit: int | None) -> bool:
+    return bool(run.get("ok")) and (limit is None or run["peak_bytes"] <= limit)
+
+
+def _point(size: int, method: str, runs: list[dict[str, Any]], limit: int | None) -> dict[str, Any]:
+    """One method at one size over its runs: the median run's figures, the highest peak."""
+    if not all(_fits(run, limit) for run in runs):
+        worst = next(run for run in runs if not _fits(run, limit))
+        return {"size": size, "method": method, "fits": False, **worst}
+    ordered = sorted(runs, key=lambda run: run["step_s"])
+    median = ordered[(len(ordered) - 1) // 2]
+    return {
+        "size": size,
+        "method": method,
+        "fits": True,
+        **median,
+        "peak_bytes": max(run["peak_bytes"] for run in runs),
+        "step_s_runs": [run["step_s"] for run in runs],
+    }
 
 
 def summarize(

@@ -5,6 +5,7 @@ One ``with`` block is one training step. Backward may run inside the block or af
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import logging
@@ -69,6 +70,13 @@ class _Handle:
         self.session._drop_handle(self.entry)
 
 
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a plain strided tensor's storage; 0 for subclasses and other layouts."""
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+        return 0
+    return int(tensor.untyped_storage().nbytes())
+
+
 class _Step:
     """The state of one step: its entries in save order and the runtime's choices."""
 
@@ -88,11 +96,14 @@ class _Step:
         self.spill_set: set[int] | None = None
         self.use_queue: list[Entry] | None = None
         self.use_pos: dict[int, int] = {}
+        self.offloaded_at: list[int] = []  # positions in use_queue of offloaded entries, sorted
         self.save_level: dict[int, int] = {}
         self.baseline_bytes: int | None = None
         self.junction_edges: dict[junctions.Edge, int] = {}
         self.saved_nodes: list[Any] = []  # grad_fn of each saved tensor, while junctions wait
         self.walked = False
+        self.light = False  # saves pass through untouched while they stay within calibrated_bytes
+        self.saved_storage_bytes = 0  # bytes of the storages of every save, shared ones again
 
     def owns(self, entry: Entry) -> bool:
         return entry.ordinal < len(self.entries) and self.entries[entry.ordinal] is entry
@@ -160,6 +171,7 @@ class LMS:
         self._hooks: Any = None
         self._module_hook: Any = None
         self._warned_divergence = False
+        self._calibrated: tuple[Plan, int] | None = None  # a plan that moves nothing, its bytes
         self._writes: WriteLog | None = None
         self._back_bytes = 0  # bytes of offloaded storages brought back and not yet released
         self._partials: dict[Any, list[tuple[Entry, tuple[Any, ...]]]] = {}  # copies, geometry
@@ -178,11 +190,18 @@ class LMS:
                 self._record = previous.to_record()
             self._step = _Step(self.stats.steps + 1, self._record)
             self.stats.steps += 1
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._step.light = self._calibrated is not None and self._calibrated[0] is self.plan
+        if self._step.light:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(
+                self._pack_light, self._unpack_light
+            )
+            self._module_hook = None
+        else:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+            self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
+                self._note_module
+            )
         self._hooks.__enter__()
-        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-            self._note_module
-        )
         if self.plan is not None and self.plan.recompute:
             self._writes = WriteLog(self._fixed_ptrs, self._entry_of)
             self._writes.__enter__()
@@ -195,7 +214,9 @@ class LMS:
             writes, self._writes = self._writes, None
             writes.__exit__(None, None, None)
         self._hooks.__exit__(None, None, None)
-        self._module_hook.remove()
+        if self._module_hook is not None:
+            self._module_hook.remove()
+            self._module_hook = None
         if exc is not None:
             self._abort()
             return
@@ -207,9 +228,11 @@ class LMS:
                 step is not None
                 and self.plan is not None
                 and not step.diverged
+                and not step.light
                 and len(step.entries) != self.plan.num_entries
             ):
                 self._diverged(step, len(step.entries), "plan was made for")
+            self._calibrate(step)
             if not self._live:
                 self._offloader.tidy()
             self._offloader.raise_error()
@@ -281,6 +304,48 @@ class LMS:
                 if tensor is not None:
                     self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
 
+    def _calibrate(self, step: _Step | None) -> None:
+        """After a step that followed a plan moving nothing, let the next steps run light.
+
+        Note: [A plan that moves nothing runs light]
+        Once a step has followed such a plan in full (every save counted, none diverging), the
+        next steps' saves pass through untouched: no entries, no handles, no module hook. They
+        only add up the bytes of what they save; a step that goes past the most a full step
+        saved is no longer the step the plan was made for, and from that save on it runs in
+        full under the budget (the earlier saves count as memory already taken).
+        """
+        if step is None or step.diverged or step.light or self.plan is None:
+            return
+        plan = self.plan
+        if plan.offload or plan.recompute or plan.spill or plan.refetch or plan.stash:
+            return
+        if plan.stash_partials or self.config.swapout_threshold != -1:
+            return
+        most = step.saved_storage_bytes
+        if self._calibrated is not None and self._calibrated[0] is plan:
+            most = max(most, self._calibrated[1])
+        self._calibrated = (plan, most)
+
+    def _pack_light(self, tensor: torch.Tensor) -> Any:
+        step = self._step
+        assert step is not None and self._calibrated is not None
+        if not step.diverged:
+            step.saved_storage_bytes += _storage_bytes(tensor)
+            if step.saved_storage_bytes <= self._calibrated[1]:
+                with self._lock:
+                    step.level += 1
+                    self.stats.saved_tensors += 1
+                    self.stats.kept_tensors += 1
+                return tensor
+            with self._lock:
+                self._diverged(step, step.level, "plan was made for")
+        return self._pack(tensor)
+
+    def _unpack_light(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Handle):  # saved after the step diverged
+            return self._unpack(packed)
+        return packed  # type: ignore[no-any-return]
+
     def _keeps(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` stays where it is: not an activation, or not worth moving."""
         if getattr(_local, "depth", 0) > 0:
@@ -305,6 +370,8 @@ class LMS:
             assert step is not None
             step.level += 1
             self.stats.saved_tensors += 1
+            if not step.light:
+                step.saved_storage_bytes += _storage_bytes(tensor)
             plan = self.plan
             if plan is not None and plan.stash and not step.walked and tensor.grad_fn is not None:
                 step.saved_nodes.append(tensor.grad_fn)
@@ -496,6 +563,7 @@ class LMS:
         entry.copied_version = base._version if base is not None else None
         self._offloader.offload(entry, to_disk=self._planned_spill(entry))
         if entry.offloaded:
+            self._note_offloaded(entry)
             self.stats.offloaded_tensors += 1
             self.stats.offloaded_bytes += entry.nbytes
             if entry.on_disk:
@@ -588,6 +656,7 @@ class LMS:
             else:
                 step.use_queue = list(reversed(step.entries))
             step.use_pos = {e.ordinal: i for i, e in enumerate(step.use_queue)}
+            step.offloaded_at = [i for i, e in enumerate(step.use_queue) if e.offloaded]
         return step.use_queue
 
     def _prefetch_after(self, step: _Step, entry: Entry) -> None:
@@ -603,9 +672,11 @@ class LMS:
         allowance = None if following else self._allowance(step, backward=True)
         ahead = self.plan.swapin_ahead if following and self.plan else self.config.ahead
         started = 0
-        for upcoming in queue[position + 1 :]:
-            if started >= ahead:
-                break
+        offloaded = step.offloaded_at  # only these can need loading: no scan of the kept ones
+        index = bisect.bisect_right(offloaded, position)
+        while started < ahead and index < len(offloaded):
+            upcoming = queue[offloaded[index]]
+            index += 1
             if upcoming.released or not upcoming.offloaded:
                 continue
             started += 1
@@ -617,6 +688,19 @@ class LMS:
             if self._offloader.prefetch(upcoming):
                 self._mark_back(upcoming)
                 self.stats.prefetched_bytes += upcoming.nbytes
+
+    def _note_offloaded(self, entry: Entry) -> None:
+        """Keep ``offloaded_at`` whole when backward's queue exists before ``entry`` goes out
+        (a save during backward, as checkpointed regions make, can evict an older storage)."""
+        step = self._step
+        if step is None or step.use_queue is None or not step.owns(entry):
+            return
+        position = step.use_pos.get(entry.ordinal)
+        if position is None:
+            return
+        index = bisect.bisect_left(step.offloaded_at, position)
+        if index == len(step.offloaded_at) or step.offloaded_at[index] != position:
+            step.offloaded_at.insert(index, position)
 
     def _mark_back(self, entry: Entry) -> None:
         if not entry.back:

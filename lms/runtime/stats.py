@@ -16,9 +16,10 @@ class LMSStats:
     saved_tensors: int = 0
     """Tensors autograd saved under the runtime."""
     saved_bytes: int = 0
-    """Bytes of distinct storages among them."""
+    """Bytes of distinct storages among them, in steps run in full (not the light ones)."""
     kept_tensors: int = 0
-    """Saved tensors left on the device: parameters, buffers, small ones, `no_offload` regions."""
+    """Saved tensors left on the device: parameters, buffers, small ones, `no_offload` regions,
+    and every save of a light step (one that follows a plan that moves nothing)."""
     offloaded_tensors: int = 0
     """Storages moved out of device memory."""
     offloaded_bytes: int = 0

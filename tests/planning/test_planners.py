@@ -208,6 +208,59 @@ def test_divergence_is_reported_once_and_falls_back(tmp_path, caplog):
     assert caplog.text.count("falling back") == 1
 
 
+def test_a_plan_that_moves_nothing_runs_light_after_its_first_step(tmp_path):
+    from torch.nn.modules import module
+
+    from tests.conftest import hooks_are_gone, run_step
+
+    torch.manual_seed(0)
+    model, x = Chain(), torch.randn(64, 256)
+    ref = run_step(model, (x,))
+    offload = lms.LMS(budget="1GiB", min_offload_bytes=0, spill_dir=str(tmp_path))
+    plan = offload.tune(model, [x], _square_step, cache_dir=str(tmp_path / "plans"))
+    assert not plan.offload and not plan.recompute
+    hooked = []
+    model.layers[0].register_forward_pre_hook(
+        lambda *_: hooked.append(bool(module._global_forward_pre_hooks))
+    )
+    saved = []
+    for _ in range(3):
+        assert_bitwise(ref, run_step(model, (x,), offload))
+        saved.append(offload.stats.saved_tensors - sum(saved))
+    assert hooked == [True, False, False]  # the first step in full, then no module hook
+    assert saved[0] == saved[1] == saved[2] > 0  # light steps still count what they save
+    assert offload.stats.offloaded_tensors == 0
+    assert offload._live == {} and hooks_are_gone()
+
+
+def test_a_light_step_that_saves_more_falls_back_under_the_budget(tmp_path, caplog):
+    from tests.conftest import run_step, spill_files
+
+    caplog.set_level("WARNING", logger="lms")
+    torch.manual_seed(0)
+    model, small, large = Chain(), torch.randn(64, 256), torch.randn(2048, 256)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    offload = lms.LMS(budget="12MiB", min_offload_bytes=0, spill_dir=str(spill))
+    plan = offload.tune(model, [small], _square_step, cache_dir=str(tmp_path / "plans"))
+    assert not plan.offload
+    for _ in range(2):  # the first in full, the second light
+        run_step(model, (small,), offload)
+    assert "falling back" not in caplog.text and offload.stats.offloaded_tensors == 0
+    ref = run_step(model, (large,))
+    assert_bitwise(ref, run_step(model, (large,), offload))  # 8 MiB of activations, 2 MiB each
+    assert "step 3 saves tensors other than the plan was made for" in caplog.text
+    assert offload.stats.offloaded_tensors > 0  # the rest of the step under the budget's policy
+    offload.close()
+    assert spill_files(str(spill)) == []
+
+
+def _square_step(model, batch):
+    loss = model(*batch).float().square().mean()
+    loss.backward()
+    return loss
+
+
 @pytest.mark.parametrize("frozen", [False, True])
 def test_transformer_step_follows_its_plan(tmp_path, caplog, frozen):
     # Attention reads out_proj.weight without calling its module, and saves its transpose (a

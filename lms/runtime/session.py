@@ -171,7 +171,7 @@ class LMS:
         self._hooks: Any = None
         self._module_hook: Any = None
         self._warned_divergence = False
-        self._calibrated: tuple[Plan, int] | None = None  # a plan that moves nothing, its bytes
+        self._calibrated: tuple[Plan, int] | None = None  # the plan, the most a full step saved
         self._writes: WriteLog | None = None
         self._back_bytes = 0  # bytes of offloaded storages brought back and not yet released
         self._partials: dict[Any, list[tuple[Entry, tuple[Any, ...]]]] = {}  # copies, geometry
@@ -190,7 +190,7 @@ class LMS:
                 self._record = previous.to_record()
             self._step = _Step(self.stats.steps + 1, self._record)
             self.stats.steps += 1
-            self._step.light = self._calibrated is not None and self._calibrated[0] is self.plan
+            self._step.light = self._runs_light()
         if self._step.light:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(
                 self._pack_light, self._unpack_light
@@ -305,26 +305,34 @@ class LMS:
                     self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
 
     def _calibrate(self, step: _Step | None) -> None:
-        """After a step that followed a plan moving nothing, let the next steps run light.
+        """After a step that followed its plan in full, remember the most bytes it saved.
+
+        Note: [A step that saves more than its plan's steps diverges]
+        A plan is made for one step's tensors, by their order. Once a step has followed it in
+        full (every save counted, none diverging), a later step that saves more bytes (a larger
+        batch of the same model, a longer sequence) is not the step the plan was made for: from
+        the save that goes past the most a full step saved, it follows the budget's own policy,
+        the earlier saves counted as memory already taken.
 
         Note: [A plan that moves nothing runs light]
-        Once a step has followed such a plan in full (every save counted, none diverging), the
-        next steps' saves pass through untouched: no entries, no handles, no module hook. They
-        only add up the bytes of what they save; a step that goes past the most a full step
-        saved is no longer the step the plan was made for, and from that save on it runs in
-        full under the budget (the earlier saves count as memory already taken).
+        Where the plan moves nothing, the steps after the first full one run light: their saves
+        pass through untouched (no entries, no handles, no module hook) and only add up their
+        bytes, until a save goes past that most.
         """
         if step is None or step.diverged or step.light or self.plan is None:
             return
-        plan = self.plan
-        if plan.offload or plan.recompute or plan.spill or plan.refetch or plan.stash:
-            return
-        if plan.stash_partials or self.config.swapout_threshold != -1:
-            return
         most = step.saved_storage_bytes
-        if self._calibrated is not None and self._calibrated[0] is plan:
+        if self._calibrated is not None and self._calibrated[0] is self.plan:
             most = max(most, self._calibrated[1])
-        self._calibrated = (plan, most)
+        self._calibrated = (self.plan, most)
+
+    def _runs_light(self) -> bool:
+        """Whether the next step may run light (see Note [A plan that moves nothing runs light])."""
+        plan = self.plan
+        if plan is None or self._calibrated is None or self._calibrated[0] is not plan:
+            return False
+        moves = plan.offload or plan.recompute or plan.spill or plan.refetch or plan.stash
+        return not moves and not plan.stash_partials and self.config.swapout_threshold == -1
 
     def _pack_light(self, tensor: torch.Tensor) -> Any:
         step = self._step
@@ -372,6 +380,14 @@ class LMS:
             self.stats.saved_tensors += 1
             if not step.light:
                 step.saved_storage_bytes += _storage_bytes(tensor)
+                calibrated = self._calibrated
+                if (
+                    calibrated is not None
+                    and calibrated[0] is self.plan
+                    and not step.diverged
+                    and step.saved_storage_bytes > calibrated[1]
+                ):
+                    self._diverged(step, step.level, "plan was made for")
             plan = self.plan
             if plan is not None and plan.stash and not step.walked and tensor.grad_fn is not None:
                 step.saved_nodes.append(tensor.grad_fn)

@@ -255,6 +255,27 @@ def test_a_light_step_that_saves_more_falls_back_under_the_budget(tmp_path, capl
     assert spill_files(str(spill)) == []
 
 
+def test_a_larger_step_than_the_plans_falls_back_where_it_goes_past(tmp_path, caplog):
+    from tests.conftest import run_step
+
+    caplog.set_level("WARNING", logger="lms")
+    torch.manual_seed(0)
+    model, small, large = Chain(), torch.randn(256, 256), torch.randn(1024, 256)
+    offload = lms.LMS(budget="3.2MiB", min_offload_bytes=0, spill_dir=str(tmp_path))
+    plan = offload.tune(model, [small], _square_step, cache_dir=str(tmp_path / "plans"))
+    assert plan.offload and len(plan.offload) < plan.num_entries
+    for _ in range(2):
+        run_step(model, (small,), offload)
+    assert "falling back" not in caplog.text
+    assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
+    ref = run_step(model, (large,))
+    assert_bitwise(ref, run_step(model, (large,), offload))
+    assert "step 3 saves tensors other than the plan was made for" in caplog.text
+    # as many storages as the plan's step, four times the bytes: the budget moves more of them
+    assert offload.stats.offloaded_tensors - 2 * len(plan.offload) > len(plan.offload)
+    offload.close()
+
+
 def _square_step(model, batch):
     loss = model(*batch).float().square().mean()
     loss.backward()

@@ -103,6 +103,7 @@ def _train(args: argparse.Namespace) -> int:
             method="lms" if args.lms else "none",
             budget=args.budget,
             tier=args.tier,
+            host_budget=args.host_budget,
             amp=args.amp,
             data=data,
         )
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lms", action=argparse.BooleanOptionalAction, default=True)
     train.add_argument("--budget", default=None, help="device memory for the step, e.g. 32GiB")
     train.add_argument("--tier", default="auto", choices=["auto", "host", "disk"])
+    train.add_argument(
+        "--host-budget", default=None, help="host memory offloaded data may hold, e.g. 100GiB"
+    )
     train.add_argument("--data", default=None, help="folder of images (one subfolder a class)")
     train.add_argument("--json")
     train.set_defaults(run=_train)

@@ -86,6 +86,7 @@ def train(
     method: str = "lms",
     budget: int | str | None = None,
     tier: str = "auto",
+    host_budget: int | str | None = None,
     amp: bool = False,
     device: str | None = None,
     data: Sequence[torch.Tensor] | None = None,
@@ -120,7 +121,7 @@ def train(
     autocast = torch.bfloat16 if amp else None
     offload: LMS | None = None
     if method == "lms":
-        offload = LMS(budget=budget, tier=tier)
+        offload = LMS(budget=budget, tier=tier, host_budget=host_budget)
         if budget is not None:
             offload.tune(model, batch, step_fn, autocast=autocast)
 

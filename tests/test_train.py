@@ -207,3 +207,9 @@ def test_cli_bench_measures_each_run_in_its_own_process(tmp_path):
         p["step_s"] in p["step_s_runs"] and p["elements_per_s"] > 0 for p in result["points"]
     )
     assert plot.stat().st_size > 0
+
+
+def test_cli_train_refuses_a_bad_host_budget_before_training(capsys):
+    argv = ["-q", "train", "--model", "resnet50", "--image-size", "64", "--batch-size", "2"]
+    assert main([*argv, "--steps", "1", "--host-budget", "lots"]) == 2
+    assert "host_budget" in capsys.readouterr().err

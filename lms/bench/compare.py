@@ -164,8 +164,8 @@ def _fits(run: dict[str, Any], limit: int | None) -> bool:
 def _point(size: int, method: str, runs: list[dict[str, Any]], limit: int | None) -> dict[str, Any]:
     """One method at one size over its runs: the median run's figures, the highest peak."""
     if not all(_fits(run, limit) for run in runs):
-        worst = next(run for run in runs if not _fits(run, limit))
-        return {"size": size, "method": method, "fits": False, **worst}
+        failing = next(run for run in runs if not _fits(run, limit))
+        return {"size": size, "method": method, "fits": False, **failing}
     ordered = sorted(runs, key=lambda run: run["step_s"])
     median = ordered[(len(ordered) - 1) // 2]
     return {

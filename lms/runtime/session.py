@@ -102,7 +102,7 @@ class _Step:
         self.junction_edges: dict[junctions.Edge, int] = {}
         self.saved_nodes: list[Any] = []  # grad_fn of each saved tensor, while junctions wait
         self.walked = False
-        self.light = False  # saves pass through untouched while they stay within calibrated_bytes
+        self.light = False  # saves pass through untouched (see LMS._calibrate)
         self.saved_storage_bytes = 0  # bytes of the storages of every save, shared ones again
 
     def owns(self, entry: Entry) -> bool:
@@ -338,6 +338,7 @@ class LMS:
         step = self._step
         assert step is not None and self._calibrated is not None
         if not step.diverged:
+            # _pack's check of the same bytes, inline: this is the hot path of a light step.
             step.saved_storage_bytes += _storage_bytes(tensor)
             if step.saved_storage_bytes <= self._calibrated[1]:
                 with self._lock:

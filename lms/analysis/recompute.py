@@ -1,10 +1,16 @@
 """Which saved tensors backward could recompute instead of storing, and from what.
 
-A saved storage can be recomputed when every forward op that wrote it is a cheap, deterministic
-op (normalisation, activation, elementwise arithmetic), the first of them returned it as its first
-output, and their other inputs are parameters, buffers, or other saved storages: the runtime
-replays exactly those aten calls, so the result is the same bits. Random ops (dropout's mask) and
-anything else are never replayed; a product with a saved mask is.
+A saved storage can be recomputed when every forward op that wrote it is a deterministic op whose
+replay gives the same bits (convolution, normalisation, activation, elementwise arithmetic), the
+first of them returned it as its first output, and their other inputs are parameters, buffers, or
+other saved storages: the runtime replays exactly those aten calls, so the result is the same
+bits. Random ops (dropout's mask) and anything else are never replayed; a product with a saved
+mask is. Whether a replay is worth it (a convolution costs far more than a ReLU) is the planner's
+call, priced by the simulator.
+
+An input of a recipe may itself be recomputed (a chain, as activation checkpointing replays a
+block) when backward reads it no earlier than the storage it makes: the copy made for the chain
+then serves its own first use too. Those inputs are the recipe's ``chainable`` ones.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ __all__ = ["RECOMPUTABLE_OPS", "Recipe", "recipes"]
 RECOMPUTABLE_OPS = frozenset(
     f"aten.{name}"
     for name in (
+        "convolution.default",
         "native_batch_norm.default",
         "_native_batch_norm_legit.default",
         "_native_batch_norm_legit.no_stats",
@@ -43,7 +50,7 @@ RECOMPUTABLE_OPS = frozenset(
         "mul_.Tensor",
     )
 )
-"""Ops whose output backward may recompute: cheap, deterministic, with no state but buffers."""
+"""Ops whose output backward may recompute: deterministic, with no state but buffers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +61,9 @@ class Recipe:
     """Forward op indices that wrote it, in order: the first allocates it, the rest are in place."""
     inputs: tuple[int, ...]
     """Ordinals of the saved storages those ops read (parameters and buffers are not listed)."""
+    chainable: tuple[int, ...] = ()
+    """Those of ``inputs`` with a recipe of their own that backward first reads no earlier than
+    this storage: a plan may recompute them too, as part of this one's replay."""
 
 
 _CACHE: dict[int, tuple[weakref.ref[Trace], dict[int, Recipe]]] = {}
@@ -110,4 +120,16 @@ def _find(trace: Trace) -> dict[int, Recipe]:
             break
         else:
             found[ordinal] = Recipe(tuple(ops), tuple(sorted(inputs)))
+    first_use = trace.first_use_op()
+    for ordinal, recipe in found.items():
+        use = first_use.get(entries[ordinal][0])
+        if use is None:
+            continue
+        chainable = tuple(
+            source
+            for source in recipe.inputs
+            if source in found and first_use.get(entries[source][0], -1) >= use
+        )
+        if chainable:
+            found[ordinal] = dataclasses.replace(recipe, chainable=chainable)
     return found

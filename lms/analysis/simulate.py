@@ -189,8 +189,12 @@ def simulate(
         )
     recompute_at: dict[int, list[int]] = {}
     for ordinal in recompute:
-        if any(i in recompute for i in chosen[ordinal].inputs):
-            raise ValueError(f"lms: plan recomputes ordinal {ordinal} from a recomputed one")
+        recipe = chosen[ordinal]
+        if any(i in recompute and i not in recipe.chainable for i in recipe.inputs):
+            raise ValueError(
+                f"lms: plan recomputes ordinal {ordinal} from a recomputed one that backward "
+                "reads before it"
+            )
         use_op = first_use.get(entries[ordinal][0])
         if use_op is not None:
             recompute_at.setdefault(use_op, []).append(ordinal)
@@ -277,6 +281,25 @@ def simulate(
             wait += copy
             now = in_done[ordinal] = now + copy
 
+    def remake(ordinal: int) -> None:
+        """Recompute ``ordinal`` now, unless a chain made it already. Its inputs must be on the
+        device: offloaded ones are loaded now if not on their way, recomputed ones made first
+        (and held until their own first use)."""
+        nonlocal now, recompute_s
+        if ordinal in recompute_start:
+            return
+        for source in chosen[ordinal].inputs:
+            if source in recompute:
+                remake(source)
+            elif source in offload:
+                if source not in in_done:
+                    load(source)
+                arrive(source)
+        recompute_start[ordinal] = now
+        cost = sum(seconds[k] for k in chosen[ordinal].ops)
+        recompute_s += cost
+        now += cost
+
     for index in range(len(trace.ops) + 1):
         if index < trace.backward_start_op:
             kept += kept_at.get(index, 0)
@@ -314,16 +337,7 @@ def simulate(
             if ordinal not in in_done:
                 load(ordinal)
         for ordinal in recompute_at.get(index, ()):
-            # Its inputs must be on the device: load offloaded ones now if not on their way.
-            for source in chosen[ordinal].inputs:
-                if source in offload:
-                    if source not in in_done:
-                        load(source)
-                    arrive(source)
-            recompute_start[ordinal] = now
-            cost = sum(seconds[k] for k in chosen[ordinal].ops)
-            recompute_s += cost
-            now += cost
+            remake(ordinal)
         for ordinal in needs_at.get(index, ()):
             arrive(ordinal)
         for ordinal in reloads_at.get(index, ()):

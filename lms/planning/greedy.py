@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable
 
 from lms.analysis.devices import DeviceSpec
-from lms.analysis.recompute import recipes
+from lms.analysis.recompute import Recipe, recipes
 from lms.analysis.records import Trace
 from lms.analysis.simulate import SimResult, op_seconds
 from lms.plan import Plan
@@ -69,7 +69,16 @@ def plan_greedy(
     def spent() -> bool:
         return checker.simulations >= max_simulations
 
-    prefer = _cheaper_to_recompute(checker, half)
+    # What to recompute rather than move, where that is cheaper than its copy: three starting
+    # sets, each searched. With chains (as checkpointing replays a block); each from stored
+    # inputs only; and only replays bound by memory traffic, which leave the convolutions'
+    # outputs to be moved and their inputs free to be recomputed.
+    starts = _distinct(
+        set(),
+        _cheaper_to_recompute(checker, half, chains=True),
+        _cheaper_to_recompute(checker, half, chains=False),
+        _cheaper_to_recompute(checker, half, chains=False, convolutions=False),
+    )
 
     remake = set[int]()
 
@@ -97,23 +106,54 @@ def plan_greedy(
         step_s = evaluate(kept, ahead, sync_mode)
         return (kept, step_s) if step_s is not None else None
 
-    # Each variant is searched moving everything that goes, and recomputing what is cheaper.
-    best: tuple[float, set[int], int, int, set[int]] | None = None
+    # Each variant is searched from each starting set; the best search of each start is then
+    # refined (a greedy refinement can overtake from behind), and the fastest result wins.
+    found_by_start: dict[int, tuple[float, set[int], int, int]] = {}
     for ahead, sync_mode in VARIANTS:
-        for choice in (set(), prefer) if prefer else (set(),):
+        for number, choice in enumerate(starts):
             remake = choice
             found = search(ahead, sync_mode)
-            if found is not None and (best is None or found[1] < best[0]):
-                best = (found[1], found[0], ahead, sync_mode, choice)
-    if best is None:
+            known = found_by_start.get(number)
+            if found is not None and (known is None or found[1] < known[0]):
+                found_by_start[number] = (found[1], found[0], ahead, sync_mode)
+    if not found_by_start:
         return checker.finish(minimum_plan, minimum)
-    step_s, kept, ahead, sync_mode, remake = best
+    refined = [
+        _refine(checker, starts[number], *found, spent, pressure)
+        for number, found in sorted(found_by_start.items(), key=lambda item: item[1][0])
+    ]
+    step_s, plan, kept = min(refined, key=lambda item: item[0])
+    result = checker.run(plan)
+    log.info(
+        "[LMS] [Planner] keep %d, offload %d, recompute %d of %d saved storages; "
+        "swapin_ahead %d, sync_mode %d; %d simulations",
+        len(kept),
+        len(plan.offload),
+        len(plan.recompute),
+        len(entries),
+        plan.swapin_ahead,
+        plan.sync_mode,
+        checker.simulations,
+    )
+    return checker.finish(plan, result)
+
+
+def _refine(
+    checker: Checker,
+    remake: set[int],
+    step_s: float,
+    kept: set[int],
+    ahead: int,
+    sync_mode: int,
+    spent: Callable[[], bool],
+    pressure: Callable[[int], float],
+) -> tuple[float, Plan, set[int]]:
+    """Trade kept and offloaded entries, recompute more, then keep what that freed room for."""
     kept, step_s = _trade(checker, kept, step_s, ahead, sync_mode, remake, spent)
-    offload = [i for i in everything if i not in kept]
+    offload = [i for i in range(checker.num_entries) if i not in kept]
     remade, step_s = _recompute_pass(
         checker, offload, ahead, sync_mode, step_s, spent, remake.intersection(offload)
     )
-    # What recomputing freed may let more stay on the device.
     for ordinal in sorted(set(offload) - remade, key=pressure):
         if spent():
             break
@@ -129,19 +169,7 @@ def plan_greedy(
     plan = checker.plan(
         offload, ahead=ahead, sync_mode=sync_mode, source="planner", recompute=remade
     )
-    result = checker.run(plan)
-    log.info(
-        "[LMS] [Planner] keep %d, offload %d, recompute %d of %d saved storages; "
-        "swapin_ahead %d, sync_mode %d; %d simulations",
-        len(kept),
-        len(plan.offload),
-        len(remade),
-        len(entries),
-        ahead,
-        sync_mode,
-        checker.simulations,
-    )
-    return checker.finish(plan, result)
+    return step_s, plan, kept
 
 
 def _keeping(
@@ -219,46 +247,74 @@ def _recompute_pass(
     remade: set[int],
 ) -> tuple[set[int], float]:
     """Starting from ``remade``, recompute instead of moving, largest first, each offloaded
-    tensor that has a recipe where that shortens the predicted step and still fits."""
+    tensor that has a recipe where that still fits and shortens the predicted step, or leaves
+    it as it was and holds less offloaded data (host memory and spill files: one such change
+    alone may not shorten a step that waits on a disk, several together do)."""
     found = recipes(checker.trace)
     entries = checker.trace.entries()
-    sources = {source for ordinal in remade for source in found[ordinal].inputs}
+    plan = checker.plan(
+        offload, ahead=ahead, sync_mode=sync_mode, source="planner", recompute=remade
+    )
+    held = _held_bytes(checker.run(plan))
     candidates = [i for i in offload if i in found]
     for ordinal in sorted(candidates, key=lambda i: -entries[i][1]):
         if spent():
             break
-        inputs = set(found[ordinal].inputs)
-        if ordinal in remade or ordinal in sources or inputs & remade:
+        if ordinal in remade or not _chains(found, remade, ordinal, chains=True):
             continue
         trial = remade | {ordinal}
         plan = checker.plan(
             offload, ahead=ahead, sync_mode=sync_mode, source="planner", recompute=trial
         )
         result = checker.run(plan)
-        if checker.fits(result) and result.step_s < step_s * 0.999:
-            remade, step_s = trial, result.step_s
-            sources |= inputs
+        if not checker.fits(result):
+            continue
+        faster = result.step_s < step_s * 0.999
+        if faster or (result.step_s <= step_s and _held_bytes(result) < held):
+            remade, step_s, held = trial, min(step_s, result.step_s), _held_bytes(result)
     return remade, step_s
 
 
-def _cheaper_to_recompute(checker: Checker, half: bool) -> set[int]:
-    """Tensors with a recipe that runs faster than their copy over the link, largest first,
-    none of them an input of another."""
+def _distinct(*choices: set[int]) -> list[set[int]]:
+    return [c for i, c in enumerate(choices) if c not in choices[:i]]
+
+
+def _held_bytes(result: SimResult) -> int:
+    return result.host_peak_bytes + result.disk_peak_bytes
+
+
+def _chains(found: dict[int, Recipe], chosen: set[int], ordinal: int, *, chains: bool) -> bool:
+    """Whether ``ordinal`` may be recomputed beside ``chosen``: with ``chains``, where each
+    recomputed input of one is one backward reads no earlier; without, where none is."""
+    recipe = found[ordinal]
+    if not chains:
+        return not set(recipe.inputs) & chosen and not any(
+            ordinal in found[other].inputs for other in chosen
+        )
+    return all(source in recipe.chainable for source in set(recipe.inputs) & chosen) and all(
+        ordinal in found[other].chainable for other in chosen if ordinal in found[other].inputs
+    )
+
+
+def _cheaper_to_recompute(
+    checker: Checker, half: bool, *, chains: bool, convolutions: bool = True
+) -> set[int]:
+    """Tensors with a recipe that runs faster than their copy over the link, those that save
+    the most time first, recomputed from one another only where ``chains`` allows (`_chains`);
+    without ``convolutions``, only recipes bound by memory traffic (no FLOPs counted: norms,
+    activations, elementwise arithmetic)."""
     found = recipes(checker.trace)
-    if not found:
-        return set()
     seconds = op_seconds(checker.trace, checker.spec, half)
     entries = checker.trace.entries()
+    ops = checker.trace.ops
     link = min(checker.spec.d2h_gbps, checker.spec.h2d_gbps) * 1e9
+    saved = {
+        i: entries[i][1] / link - sum(seconds[k] for k in recipe.ops)
+        for i, recipe in found.items()
+        if convolutions or not any(ops[k].flops for k in recipe.ops)
+    }
     chosen: set[int] = set()
-    sources: set[int] = set()
-    for ordinal in sorted(found, key=lambda i: -entries[i][1]):
-        recipe = found[ordinal]
-        cost = sum(seconds[k] for k in recipe.ops)
-        if cost >= entries[ordinal][1] / link:
-            continue
-        if ordinal in sources or set(recipe.inputs) & chosen:
-            continue
-        chosen.add(ordinal)
-        sources.update(recipe.inputs)
+    for ordinal in sorted(saved, key=lambda i: -saved[i]):  # the most copy time saved first
+        if saved[ordinal] > 0 and _chains(found, chosen, ordinal, chains=chains):
+            chosen.add(ordinal)
     return chosen

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lms._units import format_bytes
 from lms.analysis.devices import DeviceSpec
+from lms.analysis.recompute import recipes
 from lms.analysis.records import Trace
 from lms.analysis.simulate import SimResult
 from lms.plan import Plan
@@ -48,10 +49,17 @@ def info_lines(
         f"back), swapin_ahead {plan.swapin_ahead}, sync_mode {plan.sync_mode}",
     ]
     if plan.recompute:
+        found = recipes(trace)
+        remade = set(plan.recompute)
+        convolutions = sum(
+            trace.ops[found[i].ops[0]].name == "aten.convolution.default" for i in plan.recompute
+        )
+        chained = sum(bool(set(found[i].inputs) & remade) for i in plan.recompute)
         lines.append(
             f"[LMS] Recompute {len(plan.recompute)} saved storages in backward instead "
             f"({format_bytes(planned.recomputed_bytes)}, "
-            f"{planned.recompute_s * 1e3:.1f} ms of extra compute)"
+            f"{planned.recompute_s * 1e3:.1f} ms of extra compute); {convolutions} of them "
+            f"convolutions' outputs, {chained} made from other recomputed ones"
         )
     if plan.spill:
         lines.append(

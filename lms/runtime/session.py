@@ -488,7 +488,7 @@ class LMS:
         if entry.ordinal not in step.recompute_set:
             return False
         recipe = self._writes.recipe(storage)
-        if recipe is None or any(source.recipe is not None for source in recipe.inputs):
+        if recipe is None:
             log.info(
                 "[LMS] saved storage %d has no recipe at run time; offloading it instead",
                 entry.ordinal,
@@ -640,8 +640,12 @@ class LMS:
             waited = 0.0
 
             def fetch(source: Entry) -> torch.UntypedStorage:
+                # A recomputed input is made first and held for its own use (a chain).
                 nonlocal waited
-                storage, seconds = self._offloader.fetch(source, hold=True)
+                if source.recipe is not None:
+                    storage, seconds = self._remake(source, hold=True)
+                else:
+                    storage, seconds = self._offloader.fetch(source, hold=True)
                 waited += seconds
                 return storage
 

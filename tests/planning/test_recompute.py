@@ -1,4 +1,6 @@
-"""Recomputing cheap saved tensors in backward instead of storing them."""
+"""Recomputing saved tensors in backward instead of storing them, alone or in chains."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torchvision
 import lms
 from lms.analysis import simulate, trace_step
 from lms.analysis.recompute import recipes
+from lms.analysis.simulate import op_seconds
 from lms.plan import Plan
 from lms.planning import plan_greedy
 from lms.planning.common import Checker
@@ -50,13 +53,8 @@ def _trace(build, batch):
     return trace_step(build, batch, _step, device="cpu", min_offload_bytes=0)
 
 
-def _recompute_all(trace):
-    """Every recipe whose inputs are not themselves recomputed; the rest offloaded."""
-    found = recipes(trace)
-    chosen: set[int] = set()
-    for ordinal, recipe in sorted(found.items()):
-        if not set(recipe.inputs) & chosen and not any(ordinal in found[c].inputs for c in chosen):
-            chosen.add(ordinal)
+def _plan_recomputing(trace, chosen):
+    """Recompute ``chosen``, offload the rest."""
     entries = trace.entries()
     return Plan(
         fingerprint=trace.fingerprint(),
@@ -67,6 +65,31 @@ def _recompute_all(trace):
     )
 
 
+def _recompute_all(trace):
+    """Every recipe whose inputs are not themselves recomputed; the rest offloaded."""
+    found = recipes(trace)
+    chosen: set[int] = set()
+    for ordinal, recipe in sorted(found.items()):
+        if not set(recipe.inputs) & chosen and not any(ordinal in found[c].inputs for c in chosen):
+            chosen.add(ordinal)
+    return _plan_recomputing(trace, chosen)
+
+
+def _recompute_chains(trace):
+    """Every recipe whose recomputed inputs are all chainable (read no earlier in backward)."""
+    found = recipes(trace)
+    chosen = set(found)
+    changed = True
+    while changed:
+        changed = False
+        for ordinal in sorted(chosen):
+            recipe = found[ordinal]
+            if any(s in chosen and s not in recipe.chainable for s in recipe.inputs):
+                chosen.discard(ordinal)
+                changed = True
+    return _plan_recomputing(trace, chosen)
+
+
 def test_recipes_cover_norms_and_activations_but_not_random_ops():
     trace = _trace(Mixed, [torch.randn(2, 3, 32, 32)])
     found = recipes(trace)
@@ -75,17 +98,29 @@ def test_recipes_cover_norms_and_activations_but_not_random_ops():
     assert ["aten.native_batch_norm.default", "aten.add_.Tensor"] in names
     assert ["aten.mul.Tensor"] in names  # dropout: the product with its saved mask
     assert not any("bernoulli" in op for ops in names for op in ops)
+    assert ["aten.convolution.default"] in names
+    # the second BatchNorm's input (conv2's output) is read after its output in backward
+    chained = [i for i, recipe in found.items() if recipe.chainable]
+    assert chained
+    first_use = trace.first_use_op()
+    entries = trace.entries()
+    for ordinal in chained:
+        for source in found[ordinal].chainable:
+            assert first_use[entries[source][0]] >= first_use[entries[ordinal][0]]
     # BatchNorm's saved mean and inverse deviation are its second and third outputs: stored
     entries = trace.entries()
     assert all(trace.ops[r.ops[0]].outputs[0] == entries[i][0] for i, r in found.items())
 
 
+@pytest.mark.parametrize("chains", [False, True], ids=["single", "chains"])
 @pytest.mark.parametrize("build", [Mixed, _resnet], ids=["mixed", "resnet18"])
-def test_runtime_recomputes_bitwise(build, spill_dir):
+def test_runtime_recomputes_bitwise(build, chains, spill_dir):
     batch = [torch.randn(2, 3, 64, 64)]
     trace = _trace(build, batch)
-    plan = _recompute_all(trace)
-    assert plan.recompute
+    plan = (_recompute_chains if chains else _recompute_all)(trace)
+    found = recipes(trace)
+    chained = [i for i in plan.recompute if set(found[i].inputs) & set(plan.recompute)]
+    assert plan.recompute and bool(chained) == chains  # chains: replays start from replays
     model = build()
     ref = run_step(model, batch)
     offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
@@ -94,6 +129,51 @@ def test_runtime_recomputes_bitwise(build, spill_dir):
         assert offload.stats.recomputed_tensors == step * len(plan.recompute)
     assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
     offload.close()
+
+
+def test_simulator_replays_each_storage_of_a_chain_once():
+    trace = _trace(_resnet, [torch.randn(2, 3, 64, 64)])
+    plan = _recompute_chains(trace)
+    spec = small_spec()
+    result = simulate(trace, plan, spec)
+    seconds = op_seconds(trace, spec, False)
+    found = recipes(trace)
+    once = sum(seconds[k] for i in plan.recompute for k in found[i].ops)
+    assert result.recompute_s == pytest.approx(once)
+    # a chain whose input backward reads first is refused
+    bad = next(
+        (i, s)
+        for i, recipe in found.items()
+        for s in recipe.inputs
+        if s in found and s not in recipe.chainable
+    )
+    wrong = dataclasses.replace(
+        plan,
+        offload=tuple(i for i in range(plan.num_entries) if i not in bad),
+        recompute=tuple(sorted(bad)),
+    )
+    with pytest.raises(ValueError, match="reads before it"):
+        simulate(trace, wrong, spec)
+
+
+def test_planner_chains_convolutions_where_compute_is_cheap():
+    trace = _trace(_resnet, [torch.randn(2, 3, 512, 512)])
+    spec = dataclasses.replace(small_spec(), peak_flops=1e15)  # replays cost next to nothing
+    plain = simulate(trace, None, spec)
+    _, floor = Checker(trace, spec, plain.peak_bytes).require_feasible()
+    budget = floor.peak_bytes + (plain.peak_bytes - floor.peak_bytes) // 20
+    plan = plan_greedy(trace, spec, budget)
+    found = recipes(trace)
+    names = {trace.ops[found[i].ops[0]].name for i in plan.recompute}
+    assert "aten.convolution.default" in names
+    assert any(set(found[i].inputs) & set(plan.recompute) for i in plan.recompute)
+    result = simulate(trace, plan, spec)
+    assert result.peak_bytes <= budget
+    # faster than moving what it recomputes
+    moved = dataclasses.replace(
+        plan, offload=tuple(sorted(plan.offload + plan.recompute)), recompute=()
+    )
+    assert result.step_s < simulate(trace, moved, spec).step_s
 
 
 def test_recompute_survives_retain_graph_and_autocast(spill_dir):

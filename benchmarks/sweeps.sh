@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The simulated sweeps of benchmarks/results/sweep_* (the seed's protocol on the simulator), on any
-# machine, CPU only: about 13 minutes on 2 cores. The planner's searches are counted, not timed,
+# machine, CPU only: about 20 minutes on 2 cores. The planner's searches are counted, not timed,
 # so a rerun writes the same figures.
 #
 #   benchmarks/sweeps.sh                    # all of them

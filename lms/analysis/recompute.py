@@ -2,11 +2,12 @@
 
 A saved storage can be recomputed when every forward op that wrote it is a deterministic op whose
 replay gives the same bits (convolution, normalisation, activation, elementwise arithmetic), the
-first of them returned it as its first output, and their other inputs are parameters, buffers, or
-other saved storages: the runtime replays exactly those aten calls, so the result is the same
-bits. Random ops (dropout's mask) and anything else are never replayed; a product with a saved
-mask is. Whether a replay is worth it (a convolution costs far more than a ReLU) is the planner's
-call, priced by the simulator.
+first of them returned it as its first output, and their other inputs are parameters, buffers,
+other saved storages, or storages too small to offload (autocast's bf16 copy of a weight, which
+the runtime then holds for the recipe): the runtime replays exactly those aten calls, so the
+result is the same bits. Random ops (dropout's mask) and anything else are never replayed; a
+product with a saved mask is. Whether a replay is worth it (a convolution costs far more than a
+ReLU) is the planner's call, priced by the simulator.
 
 An input of a recipe may itself be recomputed (a chain, as activation checkpointing replays a
 block) when backward reads it no earlier than the storage it makes: the copy made for the chain
@@ -108,6 +109,12 @@ def _find(trace: Trace) -> dict[int, Recipe]:
             for read in op.inputs:
                 if read == storage or storages[read].kind in ("param", "buffer"):
                     continue
+                if (
+                    storages[read].nbytes < trace.min_offload_bytes
+                    and read not in op.outputs
+                    and not any(index < w < save_op for w in writers.get(read, ()))
+                ):
+                    continue  # too small to offload (autocast's copy of a weight): held
                 # Another saved storage, saved no later than this one and not rewritten since.
                 source = ordinal_of.get(read)
                 if source is None or first_save[read] > save_op:

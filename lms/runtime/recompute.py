@@ -34,7 +34,9 @@ class _Arg:
     offset: int
     dtype: torch.dtype
     fixed: torch.Tensor | None
-    """The tensor itself when it is a parameter or buffer (held: it outlives the step)."""
+    """The tensor itself when it is a parameter or buffer (held: it outlives the step), or a
+    tensor too small to offload (autocast's copy of a weight): held by the recipe."""
+    version: int
     written: bool
     entry: Any
     """The saved entry holding its storage when the call ran, if autograd had saved it by then."""
@@ -97,10 +99,13 @@ class WriteLog(TorchDispatchMode):
         self,
         fixed_ptrs: set[int],
         entry_of: Callable[[torch.UntypedStorage], Any],
+        small_bytes: int = 0,
     ):
         super().__init__()
         self.fixed_ptrs = fixed_ptrs
         self.entry_of = entry_of
+        self.small_bytes = small_bytes
+        """Arguments whose storage is smaller than this (never offloaded) are held as they are."""
         self.histories: dict[int, tuple[weakref.ref[torch.UntypedStorage], list[_Written]]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
@@ -146,7 +151,9 @@ class WriteLog(TorchDispatchMode):
         if not isinstance(leaf, torch.Tensor):
             return leaf
         storage = leaf.untyped_storage()
-        fixed = storage.data_ptr() in self.fixed_ptrs
+        fixed = storage.data_ptr() in self.fixed_ptrs or (
+            storage.nbytes() < self.small_bytes and not written
+        )
         return _Arg(
             storage=weakref.ref(storage),
             size=leaf.size(),
@@ -154,6 +161,7 @@ class WriteLog(TorchDispatchMode):
             offset=int(leaf.storage_offset()),
             dtype=leaf.dtype,
             fixed=leaf if fixed else None,
+            version=leaf._version,
             written=written,
             # Note: [Name a recipe's inputs by entry]
             # An offloaded input's device storage may be freed before the tensor that reads it
@@ -184,6 +192,8 @@ class WriteLog(TorchDispatchMode):
                 if source is storage:
                     leaves.append(Slot("self", *geometry))
                 elif leaf.fixed is not None:
+                    if leaf.fixed._version != leaf.version and not leaf.written:
+                        return None  # changed in place since the call read it
                     leaves.append(
                         Slot(
                             "fixed",
@@ -231,8 +241,9 @@ def replay(
                     assert leaf.fixed is not None
                     if leaf.fixed._version != leaf.version and not leaf.written:
                         raise LMSError(
-                            "lms: a parameter that a recomputed tensor depends on changed "
-                            "between forward and backward; step the optimizer after backward"
+                            "lms: a parameter (or a small tensor held as one) that a "
+                            "recomputed tensor depends on changed between forward and "
+                            "backward; step the optimizer after backward"
                         )
                     leaves.append(leaf.fixed.clone() if leaf.written else leaf.fixed)
             args, kwargs = tree_unflatten(leaves, call.spec)

@@ -203,7 +203,7 @@ class LMS:
             )
         self._hooks.__enter__()
         if self.plan is not None and self.plan.recompute:
-            self._writes = WriteLog(self._fixed_ptrs, self._entry_of)
+            self._writes = WriteLog(self._fixed_ptrs, self._entry_of, self._min_offload)
             self._writes.__enter__()
         self._active = True
         return self

@@ -123,9 +123,15 @@ def _measure_compute(device: torch.device, at_least_s: float) -> ComputeRates:
     return ComputeRates(conv[torch.float32], conv[half], 3 * 4 * numel / seconds / 1e9)
 
 
+_MEASURED: dict[tuple[int, bool], tuple[float, float, ComputeRates]] = {}
+"""Link and compute rates measured in this process, by GPU index and whether TF32 is allowed."""
+
+
 def local_device_spec(device: torch.device) -> DeviceSpec:
     """The spec of ``device``: on a GPU, the closest table entry with its memory, link and
-    compute rates measured (each at most the table's peak); on a CPU, the table's entry."""
+    compute rates measured (each at most the table's peak; measured once a process for each GPU
+    and TF32 setting, so that tuning twice prices the same trace alike); on a CPU, the table's
+    entry."""
     if device.type != "cuda":
         return DEVICES["cpu"]
     name = torch.cuda.get_device_name(device).lower()
@@ -133,8 +139,11 @@ def local_device_spec(device: torch.device) -> DeviceSpec:
     key = next((k for k in ("gh200", "h200", "h100", "a100", "v100") if k in name), "h100")
     candidates = [s for s in DEVICES.values() if s.name.startswith(key)]
     base = min(candidates, key=lambda s: abs(s.memory_bytes - total))
-    d2h, h2d = measure_link_gbps(device)
-    rates = measure_compute(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    measured = (index, bool(torch.backends.cudnn.allow_tf32))
+    if measured not in _MEASURED:
+        _MEASURED[measured] = (*measure_link_gbps(device), measure_compute(device))
+    d2h, h2d, rates = _MEASURED[measured]
     log.info(
         "[LMS] %s: measured %.1f GB/s device to host, %.1f GB/s host to device; convolution "
         "%.1f TFLOP/s fp32, %.1f TFLOP/s bf16; memory %.0f GB/s",

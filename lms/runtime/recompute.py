@@ -15,13 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lms.analysis.recompute import RECOMPUTABLE_OPS
 from lms.errors import LMSError
 
-__all__ = ["WriteLog", "Call", "Recipe", "Slot"]
+__all__ = ["WriteLog", "Call", "Recipe", "Slot", "checksum"]
 
 
 @dataclasses.dataclass
@@ -82,6 +82,8 @@ class Recipe:
     inputs: list[Any]
     """The entries it reads (the session holds a handle on each while the recipe lives)."""
     nbytes: int
+    checksum: torch.Tensor | None = None
+    """Of the bytes forward made, where the first replay is to be checked against them."""
 
 
 def _written_positions(func: Any, num_args: int) -> set[int]:
@@ -212,6 +214,16 @@ class WriteLog(TorchDispatchMode):
                         inputs.append(entry)
             calls.append(Call(written.func, leaves, written.spec))
         return Recipe(calls, inputs, storage.nbytes())
+
+
+def checksum(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A sum over ``storage``'s bytes read as integers (on its device, not synchronised): two
+    copies whose bits differ almost surely differ in it."""
+    with torch.no_grad(), _disable_current_modes():
+        data = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+        if data.numel() % 4 == 0:
+            data = data.view(torch.int32)
+        return data.sum(dtype=torch.int64)
 
 
 def _view(storage: torch.UntypedStorage, slot: Slot, device: torch.device) -> torch.Tensor:

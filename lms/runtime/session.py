@@ -22,7 +22,7 @@ from lms.config import LMSConfig
 from lms.errors import HostMemoryError, StepAbortedError
 from lms.plan import Plan
 from lms.runtime import junctions, policy
-from lms.runtime.recompute import WriteLog, replay
+from lms.runtime.recompute import WriteLog, checksum, replay
 from lms.runtime.stats import LMSStats
 from lms.runtime.store import Entry, Offloader
 
@@ -172,6 +172,8 @@ class LMS:
         self._module_hook: Any = None
         self._warned_divergence = False
         self._calibrated: tuple[Plan, int] | None = None  # the plan, the most a full step saved
+        self._replays_checked: Plan | None = None  # the plan whose first replays were checked
+        self._unreplayable: set[int] = set()  # ordinals whose replay gave other bits: moved
         self._writes: WriteLog | None = None
         self._back_bytes = 0  # bytes of offloaded storages brought back and not yet released
         self._partials: dict[Any, list[tuple[Entry, tuple[Any, ...]]]] = {}  # copies, geometry
@@ -233,6 +235,8 @@ class LMS:
             ):
                 self._diverged(step, len(step.entries), "plan was made for")
             self._calibrate(step)
+            if step is not None and not step.light and not step.diverged:
+                self._replays_checked = self.plan
             if not self._live:
                 self._offloader.tidy()
             self._offloader.raise_error()
@@ -487,7 +491,7 @@ class LMS:
             step.recompute_set = set(self.plan.recompute)
         if entry.ordinal not in step.recompute_set:
             return False
-        recipe = self._writes.recipe(storage)
+        recipe = None if entry.ordinal in self._unreplayable else self._writes.recipe(storage)
         if recipe is None:
             log.info(
                 "[LMS] saved storage %d has no recipe at run time; offloading it instead",
@@ -495,6 +499,13 @@ class LMS:
             )
             step.offload_set = (step.offload_set or set(self.plan.offload)) | {entry.ordinal}
             return False
+        if self._replays_checked is not self.plan:
+            # Note: [Check the first replays]
+            # A replay gives forward's bits only where the kernels do (cuDNN, say, picks its
+            # algorithm for the memory it finds free). The first step of a plan checks each
+            # replay against a checksum of what forward made; one that differs is warned about,
+            # and that storage is offloaded from the next step on.
+            recipe.checksum = checksum(storage, entry.device)
         for source in recipe.inputs:
             source.handles += 1  # kept until this entry is released
         base = entry.base() if entry.base is not None else None
@@ -651,10 +662,26 @@ class LMS:
 
             alive = replay(entry.recipe, entry.device, fetch)
             entry.last = weakref.ref(alive)
+            self._check_replay(entry, alive)
         else:
             waited = 0.0
         entry.loaded = alive if hold else None
         return alive, waited
+
+    def _check_replay(self, entry: Entry, alive: torch.UntypedStorage) -> None:
+        """See Note [Check the first replays]."""
+        expected, entry.recipe.checksum = entry.recipe.checksum, None
+        if expected is None or torch.equal(checksum(alive, entry.device), expected):
+            return
+        self._unreplayable.add(entry.ordinal)
+        self.stats.replays_differed += 1
+        log.warning(
+            "[LMS] recomputing saved storage %d (%s) gave other bits than forward made, so "
+            "this step's gradients may differ from a plain step's in their last bits; it is "
+            "offloaded instead from the next step on",
+            entry.ordinal,
+            entry.recipe.calls[0].func,
+        )
 
     def _refetches(self, step: _Step | None, entry: Entry) -> bool:
         """Whether the plan drops ``entry``'s device copy between uses and reads it again."""

@@ -30,6 +30,9 @@ class LMSStats:
     """Storages dropped in forward and recomputed in backward, as the plan said."""
     recomputed_bytes: int = 0
     """Their bytes (counted once per storage, not per recompute)."""
+    replays_differed: int = 0
+    """Replays checked against forward's bits (a plan's first step) that differed; each such
+    storage is offloaded instead from the next step on."""
     relieved_partials: int = 0
     """Partial gradients that waited off the device at a gradient junction, as the plan said."""
     relieved_bytes: int = 0

@@ -228,3 +228,35 @@ def test_planner_recomputes_where_moving_costs_more():
     )
     assert result.step_s < without.step_s
     assert result.recompute_s > 0
+
+
+def test_a_replay_with_other_bits_is_warned_and_moved_from_then_on(spill_dir, caplog, monkeypatch):
+    import lms.runtime.session as session
+
+    batch = [torch.randn(2, 3, 64, 64)]
+    trace = _trace(Mixed, batch)
+    plan = _recompute_all(trace)
+    model = Mixed()
+    ref = run_step(model, batch)
+    replay = session.replay
+    changed = []
+
+    def one_bit_off(recipe, device, fetch):  # as a kernel that picked another algorithm might
+        out = replay(recipe, device, fetch)
+        if not changed:
+            changed.append(True)
+            data = torch.empty(0, dtype=torch.uint8).set_(out)
+            data[0] ^= 1
+        return out
+
+    monkeypatch.setattr(session, "replay", one_bit_off)
+    offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
+    with caplog.at_level("WARNING", logger="lms"):
+        run_step(model, batch, offload)
+    assert offload.stats.replays_differed == 1
+    assert "gave other bits than forward made" in caplog.text
+    first = offload.stats.recomputed_tensors
+    assert_bitwise(ref, run_step(model, batch, offload))  # that storage now moves
+    assert offload.stats.recomputed_tensors - first == len(plan.recompute) - 1
+    assert offload.stats.replays_differed == 1  # only a plan's first step is checked
+    offload.close()

@@ -4,11 +4,14 @@ Start from the smallest-memory plan (every saved tensor out). Entries are ranked
 would sit on the device between their save and their first use in backward, times their bytes:
 those that cost least device memory per transfer avoided come first. A binary search finds the
 longest run of that ranking that can stay on the device, a greedy pass tries the rest one by one,
-and the prefetch distance is chosen for the shortest predicted step. Then the largest offloaded
-tensors are traded for kept ones resident at the peak they would cause. Last, offloaded tensors
-that cheap ops made (BatchNorm, activations, elementwise arithmetic) are recomputed in backward
-instead of moved wherever that is predicted faster. Every step checks the
-candidate with the simulator, so the returned plan fits by construction.
+and the prefetch distance is chosen for the shortest predicted step. That search runs from three
+starting sets of storages recomputed instead of moved (`lms.analysis.recompute`): replays cheaper
+than their copy with chains allowed, without chains, and only those bound by memory traffic.
+The best of each is refined: the largest offloaded tensors are traded for kept ones resident at
+the peak they would cause, more offloaded tensors are recomputed wherever that is predicted
+faster (or as fast, holding less off the device), and what that freed may stay. The fastest
+refined plan wins. Every step checks the candidate with the simulator, so the returned plan fits
+by construction.
 """
 
 from __future__ import annotations

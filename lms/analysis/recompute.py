@@ -109,17 +109,13 @@ def _find(trace: Trace) -> dict[int, Recipe]:
             for read in op.inputs:
                 if read == storage or storages[read].kind in ("param", "buffer"):
                     continue
-                if (
-                    storages[read].nbytes < trace.min_offload_bytes
-                    and read not in op.outputs
-                    and not any(index < w < save_op for w in writers.get(read, ()))
-                ):
+                if any(index < w < save_op for w in writers.get(read, ())):
+                    break  # rewritten before this storage is saved: a replay reads other bits
+                if storages[read].nbytes < trace.min_offload_bytes and read not in op.outputs:
                     continue  # too small to offload (autocast's copy of a weight): held
-                # Another saved storage, saved no later than this one and not rewritten since.
+                # Another saved storage, saved no later than this one.
                 source = ordinal_of.get(read)
                 if source is None or first_save[read] > save_op:
-                    break
-                if any(index < w < save_op for w in writers.get(read, ())):
                     break
                 inputs.add(source)
             else:

@@ -9,6 +9,7 @@ from lms.errors import (
     PlanInfeasibleError,
     SpillError,
     StepAbortedError,
+    StepFailedError,
 )
 from lms.plan import Plan
 from lms.runtime import LMS, LMSStats, no_offload
@@ -30,6 +31,7 @@ __all__ = [
     "HostMemoryError",
     "PlanInfeasibleError",
     "StepAbortedError",
+    "StepFailedError",
     "parse_bytes",
     "format_bytes",
 ]

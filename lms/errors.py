@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import traceback
+
 __all__ = [
     "LMSError",
     "SpillError",
     "HostMemoryError",
     "PlanInfeasibleError",
     "StepAbortedError",
+    "StepFailedError",
 ]
 
 
@@ -35,3 +38,32 @@ class PlanInfeasibleError(LMSError):
         self.op_name = op_name
         self.op_bytes = op_bytes
         self.min_budget_bytes = min_budget_bytes
+
+
+class StepFailedError(LMSError):
+    """The training step itself raised: traced under fake tensors, or run for the first time.
+
+    The step's own exception is the ``__cause__``; ``where`` is the file, line and function that
+    raised it.
+    """
+
+    def __init__(self, message: str, *, where: str):
+        super().__init__(message)
+        self.where = where
+
+
+def step_failed(error: BaseException, what: str) -> StepFailedError:
+    """A `StepFailedError` for ``error`` raised by ``what`` (say, "ResNet50's step under fake
+    tensors"), naming the exception and the frame that raised it."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
+    hint = "fix the model, its input or the step function"
+    if type(error).__module__.startswith("torch._subclasses"):
+        # Fake tensors carry no values: an op whose output shape depends on them cannot be traced.
+        hint = (
+            "the step cannot be traced: an op's output depends on the data; run lms.LMS without "
+            "tune (its runtime policy needs no trace) or with a plan made by hand"
+        )
+    return StepFailedError(
+        f"lms: {what} raised {type(error).__name__}: {error} (at {where}); {hint}", where=where
+    )

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from lms._units import format_bytes, format_rate
 from lms.bench.rss import PeakRSS
+from lms.errors import LMSError, step_failed
 from lms.runtime import LMS
 from lms.zoo import ZooModel, zoo_model
 
@@ -97,6 +98,8 @@ def train(
     Raises:
         PlanInfeasibleError: with method "lms", before training, when the budget cannot fit.
         ValueError: an unknown method, or a batch below the model's smallest.
+        StepFailedError: the model's step raised, traced or in its first real step (ResNet50
+            at 32 px and batch 1, say: its last batch norm then sees one value per channel).
     """
     if method not in METHODS:
         raise ValueError(f"lms: method={method!r} is not one of {', '.join(METHODS)}")
@@ -143,8 +146,16 @@ def train(
         with PeakRSS() as rss:
             start = time.perf_counter()
             amp_context = torch.autocast(target.type, dtype=autocast) if autocast else _nothing()
-            with context(), amp_context:
-                loss = step_fn(model, batch)
+            try:
+                with context(), amp_context:
+                    loss = step_fn(model, batch)
+            except LMSError:
+                raise
+            except Exception as error:
+                if times:  # a later step: not a question of the input
+                    raise
+                what = f"{model_name}'s first step at size {size}, batch {len(batch[0])},"
+                raise step_failed(error, what) from error
             optimizer.step()
             if cuda:
                 torch.cuda.synchronize(target)

@@ -7,6 +7,7 @@ import torch
 
 from lms.bench.compare import summarize
 from lms.cli import main
+from lms.errors import StepFailedError
 from lms.train import checkpoint_blocks, train
 from lms.zoo import ZOO
 
@@ -213,3 +214,19 @@ def test_cli_train_refuses_a_bad_host_budget_before_training(capsys):
     argv = ["-q", "train", "--model", "resnet50", "--image-size", "64", "--batch-size", "2"]
     assert main([*argv, "--steps", "1", "--host-budget", "lots"]) == 2
     assert "host_budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["lms", "none"])
+def test_a_step_the_model_cannot_take_is_a_typed_error_before_training(method, capsys):
+    """ResNet50 at 32 px, batch 1: its last batch norm sees one value per channel."""
+    argv = ["train", "--model", "resnet50", "--image-size", "32", "--batch-size", "1", "--steps=2"]
+    argv += ["--budget", "1GiB"] if method == "lms" else ["--no-lms"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "raised ValueError: Expected more than 1 value per channel" in err
+    assert "functional.py" in err and "in _verify_batch_size" in err
+    assert ("traced under fake tensors" in err) == (method == "lms")
+    with pytest.raises(StepFailedError) as raised:
+        train("resnet50", size=32, batch_size=1, steps=2, method=method, budget="1GiB")
+    assert isinstance(raised.value.__cause__, ValueError)
+    assert raised.value.where.endswith("in _verify_batch_size")

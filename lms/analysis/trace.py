@@ -23,6 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis.records import JunctionRecord, OpRecord, SavedEvent, StorageRecord, Trace
 from lms.config import AUTO_MIN_OFFLOAD_BYTES
+from lms.errors import LMSError, step_failed
 from lms.runtime import junctions
 
 __all__ = ["trace_step", "default_step", "StepFn"]
@@ -373,6 +374,10 @@ def trace_step(
         optimizer: builds an optimizer over the parameters; its ``step()`` then ends the step.
         min_offload_bytes: saved tensors below this stay on the device (as in `lms.LMS`).
         name: the name reports give the model.
+
+    Raises:
+        StepFailedError: the step raised under fake tensors (the model's own error, such as a
+            batch norm over one value, or an op whose output shape depends on the data).
     """
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     step = step_fn or default_step
@@ -410,6 +415,10 @@ def trace_step(
                         result = step(built, inputs)
                     if opt is not None:
                         opt.step()
+            except LMSError:
+                raise
+            except Exception as error:
+                raise step_failed(error, f"{name}'s step, traced under fake tensors,") from error
             finally:
                 pre.remove()
                 post.remove()

@@ -142,3 +142,18 @@ def test_backward_ops_are_named_by_the_module_that_made_their_node():
     assert sorted(norms) == sorted(
         ["TinyLM.norm"] + [f"TinyLM.blocks.{i}.norm{j}" for i in range(2) for j in (1, 2)]
     )
+
+
+def test_a_step_whose_shapes_depend_on_the_data_cannot_be_traced():
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y[y > 0]
+
+    with pytest.raises(lms.errors.StepFailedError, match="output depends on the data") as raised:
+        trace_step(Masked(), [torch.randn(4, 8)])
+    assert "DynamicOutputShapeException: aten.nonzero.default" in str(raised.value)

@@ -124,15 +124,18 @@ def deterministic_cudnn():
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
 
 
-def test_recompute_plan_bitwise_on_cuda(deterministic_cudnn):
-    """BatchNorm and ReLU outputs remade in backward on the compute stream, the rest offloaded."""
+@pytest.mark.parametrize("chains", [False, True], ids=["single", "chains"])
+def test_recompute_plan_bitwise_on_cuda(deterministic_cudnn, chains):
+    """Convolution, BatchNorm and ReLU outputs remade in backward on the compute stream (chains:
+    from storages themselves remade), each first replay checked against forward's checksum, the
+    rest offloaded."""
     from lms.analysis import trace_step
-    from tests.planning.test_recompute import _recompute_all, _resnet, _step
+    from tests.planning.test_recompute import _recompute_all, _recompute_chains, _resnet, _step
 
     batch = [torch.randn(2, 3, 64, 64, device="cuda")]
     torch.manual_seed(0)
     trace = trace_step(_resnet, batch, _step, device="cuda", min_offload_bytes=0)
-    plan = _recompute_all(trace)
+    plan = (_recompute_chains if chains else _recompute_all)(trace)
     assert plan.recompute
     model = _resnet().cuda()
     ref = run_step(model, batch)
@@ -140,6 +143,7 @@ def test_recompute_plan_bitwise_on_cuda(deterministic_cudnn):
     for step in range(1, 3):
         assert_bitwise(ref, run_step(model, batch, offload))
         assert offload.stats.recomputed_tensors == step * len(plan.recompute)
+    assert offload.stats.replays_differed == 0
     assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
     offload.close()
 

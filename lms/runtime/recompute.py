@@ -10,18 +10,25 @@ backward the recipe replays the same aten calls on the same bits, so the result 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lms.analysis.recompute import RECOMPUTABLE_OPS
-from lms.errors import LMSError
+from lms.errors import LMSError, StepAbortedError
+from lms.runtime.stats import LMSStats
 
-__all__ = ["WriteLog", "Call", "Recipe", "Slot", "checksum"]
+if TYPE_CHECKING:
+    from lms.runtime.store import Entry
+
+log = logging.getLogger("lms.runtime")
+
+__all__ = ["WriteLog", "Call", "Recipe", "Slot", "Replays", "checksum", "replay"]
 
 
 @dataclasses.dataclass
@@ -270,3 +277,111 @@ def replay(
             f"{recipe.nbytes}; pass a plan without recompute"
         )
     return target
+
+
+class Replays:
+    """The runtime's recompute: recipes taken as forward saves, replayed when backward reads."""
+
+    def __init__(
+        self,
+        stats: LMSStats,
+        fetch: Callable[[Entry], tuple[torch.UntypedStorage, float]],
+    ):
+        self._stats = stats
+        self._fetch = fetch
+        """Brings an offloaded input back and holds it (its storage, the seconds waited)."""
+        self._writes: WriteLog | None = None
+        self.checked: Any = None
+        """The plan whose first replays were checked (Note [Check the first replays])."""
+        self.unreplayable: set[int] = set()
+        """Ordinals whose replay gave other bits than forward: offloaded from then on."""
+
+    @property
+    def watching(self) -> bool:
+        return self._writes is not None
+
+    def watch(
+        self,
+        fixed_ptrs: set[int],
+        entry_of: Callable[[torch.UntypedStorage], Any],
+        small_bytes: int,
+    ) -> None:
+        """Start watching forward's writes (a `WriteLog`) for the step about to run."""
+        self._writes = WriteLog(fixed_ptrs, entry_of, small_bytes)
+        self._writes.__enter__()
+
+    def stop(self) -> None:
+        if self._writes is not None:
+            writes, self._writes = self._writes, None
+            writes.__exit__(None, None, None)
+
+    def take(self, entry: Entry, storage: torch.UntypedStorage, *, check: bool) -> bool:
+        """Drop ``entry``'s storage now, to be remade from its recipe in backward; False (and
+        nothing done) where it has no recipe. ``check``: note a checksum of forward's bytes for
+        the first replay to be compared with."""
+        if self._writes is None or entry.ordinal in self.unreplayable:
+            return False
+        recipe = self._writes.recipe(storage)
+        if recipe is None:
+            return False
+        if check:
+            # Note: [Check the first replays]
+            # A replay gives forward's bits only where the kernels do (cuDNN, say, picks its
+            # algorithm for the memory it finds free). The first step of a plan checks each
+            # replay against a checksum of what forward made; one that differs is warned about,
+            # and that storage is offloaded from the next step on.
+            recipe.checksum = checksum(storage, entry.device)
+        for source in recipe.inputs:
+            source.handles += 1  # kept until this entry is released
+        base = entry.base() if entry.base is not None else None
+        entry.copied_version = base._version if base is not None else None
+        entry.recipe = recipe
+        entry.storage = None
+        self._stats.recomputed_tensors += 1
+        self._stats.recomputed_bytes += entry.nbytes
+        return True
+
+    def remake(self, entry: Entry, *, hold: bool) -> tuple[torch.UntypedStorage, float]:
+        """``entry``'s storage, recomputed unless a recomputed copy is still alive, and the
+        seconds waited for offloaded inputs; ``hold``: keep it for the entry's next read."""
+        if entry.aborted:
+            raise StepAbortedError(
+                "lms: backward needs a tensor whose recipe was discarded when its step failed; "
+                "run forward again"
+            )
+        alive = entry.loaded
+        if alive is None and entry.last is not None:
+            alive = entry.last()
+        waited = 0.0
+        if alive is None:
+
+            def fetch(source: Entry) -> torch.UntypedStorage:
+                # A recomputed input is made first and held for its own use (a chain).
+                nonlocal waited
+                if source.recipe is not None:
+                    storage, seconds = self.remake(source, hold=True)
+                else:
+                    storage, seconds = self._fetch(source)
+                waited += seconds
+                return storage
+
+            alive = replay(entry.recipe, entry.device, fetch)
+            entry.last = weakref.ref(alive)
+            self._check(entry, alive)
+        entry.loaded = alive if hold else None
+        return alive, waited
+
+    def _check(self, entry: Entry, alive: torch.UntypedStorage) -> None:
+        """See Note [Check the first replays]."""
+        expected, entry.recipe.checksum = entry.recipe.checksum, None
+        if expected is None or torch.equal(checksum(alive, entry.device), expected):
+            return
+        self.unreplayable.add(entry.ordinal)
+        self._stats.replays_differed += 1
+        log.warning(
+            "[LMS] recomputing saved storage %d (%s) gave other bits than forward made, so "
+            "this step's gradients may differ from a plain step's in their last bits; it is "
+            "offloaded instead from the next step on",
+            entry.ordinal,
+            entry.recipe.calls[0].func,
+        )

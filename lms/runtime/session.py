@@ -6,8 +6,8 @@ One ``with`` block is one training step. Backward may run inside the block or af
 from __future__ import annotations
 
 import bisect
-import collections
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -19,11 +19,12 @@ import torch
 
 from lms._units import format_bytes
 from lms.config import LMSConfig
-from lms.errors import HostMemoryError, StepAbortedError
 from lms.plan import Plan
 from lms.runtime import junctions, policy
-from lms.runtime.recompute import WriteLog, checksum, replay
+from lms.runtime.recompute import Replays
+from lms.runtime.relief import Relief
 from lms.runtime.stats import LMSStats
+from lms.runtime.step import Handle, Step, storage_bytes
 from lms.runtime.store import Entry, Offloader
 
 __all__ = ["LMS", "no_offload"]
@@ -51,69 +52,6 @@ def _available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-class _Handle:
-    """What autograd holds instead of a saved tensor: its storage entry and view geometry."""
-
-    __slots__ = ("session", "entry", "dtype", "size", "stride", "offset")
-
-    def __init__(self, session: LMS, entry: Entry, tensor: torch.Tensor):
-        self.session = session
-        self.entry = entry
-        self.dtype = tensor.dtype
-        self.size = tensor.size()
-        self.stride = tensor.stride()
-        self.offset = tensor.storage_offset()
-
-    def __del__(self) -> None:
-        self.session._drop_handle(self.entry)
-
-
-def _storage_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of a plain strided tensor's storage; 0 for subclasses and other layouts."""
-    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
-        return 0
-    return int(tensor.untyped_storage().nbytes())
-
-
-class _Step:
-    """The state of one step: its entries in save order and the runtime's choices."""
-
-    def __init__(self, number: int, record: policy.StepRecord | None):
-        self.number = number
-        self.record = record
-        self.diverged = False
-        self.level = 0
-        self.entries: list[Entry] = []
-        self.first_use: dict[int, int] = {}
-        self.resident: collections.deque[Entry] = collections.deque()
-        self.resident_bytes = 0
-        self.largest_bytes = max(record.nbytes, default=0) if record else 0
-        self.offload_set: set[int] | None = None
-        self.refetch_set: set[int] | None = None
-        self.recompute_set: set[int] | None = None
-        self.spill_set: set[int] | None = None
-        self.use_queue: list[Entry] | None = None
-        self.use_pos: dict[int, int] = {}
-        self.offloaded_at: list[int] = []  # positions in use_queue of offloaded entries, sorted
-        self.save_level: dict[int, int] = {}
-        self.baseline_bytes: int | None = None
-        self.junction_edges: dict[junctions.Edge, int] = {}
-        self.saved_nodes: list[Any] = []  # grad_fn of each saved tensor, while junctions wait
-        self.walked = False
-        self.light = False  # saves pass through untouched (see LMS._calibrate)
-        self.saved_storage_bytes = 0  # bytes of the storages of every save, shared ones again
-
-    def owns(self, entry: Entry) -> bool:
-        return entry.ordinal < len(self.entries) and self.entries[entry.ordinal] is entry
-
-    def to_record(self) -> policy.StepRecord:
-        return policy.StepRecord(
-            save_level=tuple(self.save_level[e.ordinal] for e in self.entries),
-            nbytes=tuple(e.nbytes for e in self.entries),
-            first_use_level=tuple(self.first_use.get(e.ordinal) for e in self.entries),
-        )
 
 
 class LMS:
@@ -160,25 +98,21 @@ class LMS:
             self._offloader.check_ready(torch.device("cpu"))
         self.stats = LMSStats()
         self._lock = threading.RLock()
-        self._step: _Step | None = None
+        self._step: Step | None = None
         self._record: policy.StepRecord | None = None
         self._live: dict[int, Entry] = {}
         self._by_storage: dict[tuple[str, int], tuple[weakref.ref[Any], Entry]] = {}
         self._fixed_ptrs: set[int] = set()
         self._min_offload = max(self.config.min_offload, 1)
-        self._next_key = 0
+        self._keys = itertools.count()  # entry keys (spill file names), unique in this runtime
         self._active = False
         self._hooks: Any = None
         self._module_hook: Any = None
         self._warned_divergence = False
         self._calibrated: tuple[Plan, int] | None = None  # the plan, the most a full step saved
-        self._replays_checked: Plan | None = None  # the plan whose first replays were checked
-        self._unreplayable: set[int] = set()  # ordinals whose replay gave other bits: moved
-        self._writes: WriteLog | None = None
+        self._replays = Replays(self.stats, lambda entry: self._offloader.fetch(entry, hold=True))
         self._back_bytes = 0  # bytes of offloaded storages brought back and not yet released
-        self._partials: dict[Any, list[tuple[Entry, tuple[Any, ...]]]] = {}  # copies, geometry
-        self._summing: set[Any] = set()  # junctions whose partials go to autograd this backward
-        self._meeting: dict[Any, int] = {}  # junction: partials that meet there
+        self._relief = Relief(self._offloader, self.stats, self._lock, self._keeps, self._keys)
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
 
     # -- context ---------------------------------------------------------------------------
@@ -186,11 +120,11 @@ class LMS:
         if self._active:
             raise RuntimeError("lms: this LMS block is already active; steps do not nest")
         with self._lock:
-            self._drop_partials()
+            self._relief.drop()
             previous = self._step
             if previous is not None and self._record is None and previous.entries:
                 self._record = previous.to_record()
-            self._step = _Step(self.stats.steps + 1, self._record)
+            self._step = Step(self.stats.steps + 1, self._record)
             self.stats.steps += 1
             self._step.light = self._runs_light()
         if self._step.light:
@@ -205,16 +139,13 @@ class LMS:
             )
         self._hooks.__enter__()
         if self.plan is not None and self.plan.recompute:
-            self._writes = WriteLog(self._fixed_ptrs, self._entry_of, self._min_offload)
-            self._writes.__enter__()
+            self._replays.watch(self._fixed_ptrs, self._entry_of, self._min_offload)
         self._active = True
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self._active = False
-        if self._writes is not None:
-            writes, self._writes = self._writes, None
-            writes.__exit__(None, None, None)
+        self._replays.stop()
         self._hooks.__exit__(None, None, None)
         if self._module_hook is not None:
             self._module_hook.remove()
@@ -236,7 +167,7 @@ class LMS:
                 self._diverged(step, len(step.entries), "plan was made for")
             self._calibrate(step)
             if step is not None and not step.light and not step.diverged:
-                self._replays_checked = self.plan
+                self._replays.checked = self.plan
             if not self._live:
                 self._offloader.tidy()
             self._offloader.raise_error()
@@ -282,13 +213,13 @@ class LMS:
     def close(self) -> None:
         """Release host buffers and spill files now (also done when the object is collected)."""
         with self._lock:
-            self._drop_partials()
+            self._relief.drop()
             self._offloader.close()
 
     def _abort(self) -> None:
         """The step failed: discard offloaded copies, spill files and idle pinned buffers."""
         with self._lock:
-            self._drop_partials()
+            self._relief.drop()
             entries = list(self._live.values())
             self._offloader.abort(entries)
             self._live.clear()
@@ -308,7 +239,7 @@ class LMS:
                 if tensor is not None:
                     self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
 
-    def _calibrate(self, step: _Step | None) -> None:
+    def _calibrate(self, step: Step | None) -> None:
         """After a step that followed its plan in full, remember the most bytes it saved.
 
         Note: [A step that saves more than its plan's steps diverges]
@@ -343,7 +274,7 @@ class LMS:
         assert step is not None and self._calibrated is not None
         if not step.diverged:
             # _pack's check of the same bytes, inline: this is the hot path of a light step.
-            step.saved_storage_bytes += _storage_bytes(tensor)
+            step.saved_storage_bytes += storage_bytes(tensor)
             if step.saved_storage_bytes <= self._calibrated[1]:
                 with self._lock:
                     step.level += 1
@@ -355,7 +286,7 @@ class LMS:
         return self._pack(tensor)
 
     def _unpack_light(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _Handle):  # saved after the step diverged
+        if isinstance(packed, Handle):  # saved after the step diverged
             return self._unpack(packed)
         return packed  # type: ignore[no-any-return]
 
@@ -384,7 +315,7 @@ class LMS:
             step.level += 1
             self.stats.saved_tensors += 1
             if not step.light:
-                step.saved_storage_bytes += _storage_bytes(tensor)
+                step.saved_storage_bytes += storage_bytes(tensor)
                 calibrated = self._calibrated
                 if (
                     calibrated is not None
@@ -414,7 +345,7 @@ class LMS:
                 self._by_storage[slot] = (weakref.ref(storage), entry)
                 self._note_junction(step, entry, tensor)
             entry.handles += 1
-            return _Handle(self, entry, tensor)
+            return Handle(self._drop_handle, entry, tensor)
 
     @staticmethod
     def _joins(entry: Entry, base: torch.Tensor) -> bool:
@@ -432,14 +363,13 @@ class LMS:
 
     def _new_entry(
         self,
-        step: _Step,
+        step: Step,
         storage: torch.UntypedStorage,
         device: torch.device,
         base: torch.Tensor,
     ) -> Entry:
-        entry = Entry(self._next_key, len(step.entries), storage, device)
+        entry = Entry(next(self._keys), len(step.entries), storage, device)
         entry.base = weakref.ref(base)
-        self._next_key += 1
         self._live[entry.key] = entry
         step.entries.append(entry)
         step.save_level[entry.ordinal] = step.level
@@ -463,7 +393,7 @@ class LMS:
         )
         return entry
 
-    def _allowance(self, step: _Step, *, backward: bool = False) -> int | None:
+    def _allowance(self, step: Step, *, backward: bool = False) -> int | None:
         """Saved bytes (resident, plus brought back in ``backward``) the budget leaves room for."""
         budget = self.config.budget_bytes
         if budget is None:
@@ -471,7 +401,7 @@ class LMS:
         reserve = policy.reserve_bytes(step.largest_bytes, backward=backward)
         return budget - (step.baseline_bytes or 0) - reserve
 
-    def _diverged(self, step: _Step, ordinal: int, what: str) -> None:
+    def _diverged(self, step: Step, ordinal: int, what: str) -> None:
         step.diverged = True
         if not self._warned_divergence:
             self._warned_divergence = True
@@ -483,37 +413,21 @@ class LMS:
                 ordinal,
             )
 
-    def _planned_recompute(self, step: _Step, entry: Entry, storage: torch.UntypedStorage) -> bool:
+    def _planned_recompute(self, step: Step, entry: Entry, storage: torch.UntypedStorage) -> bool:
         """Drop ``entry``'s storage now and recompute it in backward, if the plan says so."""
-        if self._writes is None or self.plan is None or step.diverged:
+        if not self._replays.watching or self.plan is None or step.diverged:
             return False
         if step.recompute_set is None:
             step.recompute_set = set(self.plan.recompute)
         if entry.ordinal not in step.recompute_set:
             return False
-        recipe = None if entry.ordinal in self._unreplayable else self._writes.recipe(storage)
-        if recipe is None:
+        if not self._replays.take(entry, storage, check=self._replays.checked is not self.plan):
             log.info(
                 "[LMS] saved storage %d has no recipe at run time; offloading it instead",
                 entry.ordinal,
             )
             step.offload_set = (step.offload_set or set(self.plan.offload)) | {entry.ordinal}
             return False
-        if self._replays_checked is not self.plan:
-            # Note: [Check the first replays]
-            # A replay gives forward's bits only where the kernels do (cuDNN, say, picks its
-            # algorithm for the memory it finds free). The first step of a plan checks each
-            # replay against a checksum of what forward made; one that differs is warned about,
-            # and that storage is offloaded from the next step on.
-            recipe.checksum = checksum(storage, entry.device)
-        for source in recipe.inputs:
-            source.handles += 1  # kept until this entry is released
-        base = entry.base() if entry.base is not None else None
-        entry.copied_version = base._version if base is not None else None
-        entry.recipe = recipe
-        entry.storage = None
-        self.stats.recomputed_tensors += 1
-        self.stats.recomputed_bytes += entry.nbytes
         return True
 
     def _entry_of(self, storage: torch.UntypedStorage) -> Entry | None:
@@ -524,7 +438,7 @@ class LMS:
         step = self._step
         return found[1] if step is not None and step.owns(found[1]) else None
 
-    def _planned_offload(self, step: _Step, entry: Entry) -> bool:
+    def _planned_offload(self, step: Step, entry: Entry) -> bool:
         """With a plan or a record of an earlier step, decide at save time; False: keep for now."""
         if self.plan is not None and not step.diverged:
             if entry.ordinal >= self.plan.num_entries:
@@ -559,7 +473,7 @@ class LMS:
             step.spill_set = set(self.plan.spill)
         return entry.ordinal in step.spill_set
 
-    def _evict(self, step: _Step) -> None:
+    def _evict(self, step: Step) -> None:
         """Move the oldest resident entries out while the threshold or the budget demands it."""
         planned = step.offload_set is not None and not step.diverged
         threshold = self.config.swapout_threshold
@@ -591,7 +505,9 @@ class LMS:
         entry.copied_version = base._version if base is not None else None
         self._offloader.offload(entry, to_disk=self._planned_spill(entry))
         if entry.offloaded:
-            self._note_offloaded(entry)
+            step = self._step
+            if step is not None and step.owns(entry):
+                step.note_offloaded(entry)
             self.stats.offloaded_tensors += 1
             self.stats.offloaded_bytes += entry.nbytes
             if entry.on_disk:
@@ -607,10 +523,10 @@ class LMS:
         step = self._step
         if step is not None and step.junction_edges and not step.walked:
             self._hook_junctions(step)
-        if self._partials:  # a partial gradient's device memory goes once its copy is done
+        if self._relief.holding:  # a partial gradient's device memory goes once copied out
             with self._lock:
                 self._offloader.poll()
-        if not isinstance(packed, _Handle):
+        if not isinstance(packed, Handle):
             with self._lock:
                 if self._step is not None:
                     self._step.level += 1
@@ -627,7 +543,7 @@ class LMS:
             # unless the plan reads it back for each use.
             hold = entry.uses % entry.handles != 0 and not self._refetches(step, entry)
             if entry.recipe is not None:
-                storage, waited = self._remake(entry, hold=hold)
+                storage, waited = self._replays.remake(entry, hold=hold)
             else:
                 if entry.offloaded:
                     self._mark_back(entry)
@@ -637,53 +553,7 @@ class LMS:
         out = torch.empty(0, dtype=packed.dtype, device=entry.device)
         return out.set_(storage, packed.offset, packed.size, packed.stride)
 
-    def _remake(self, entry: Entry, *, hold: bool) -> tuple[torch.UntypedStorage, float]:
-        """``entry``'s storage, recomputed unless a recomputed copy is still alive."""
-        if entry.aborted:
-            raise StepAbortedError(
-                "lms: backward needs a tensor whose recipe was discarded when its step failed; "
-                "run forward again"
-            )
-        alive = entry.loaded
-        if alive is None and entry.last is not None:
-            alive = entry.last()
-        if alive is None:
-            waited = 0.0
-
-            def fetch(source: Entry) -> torch.UntypedStorage:
-                # A recomputed input is made first and held for its own use (a chain).
-                nonlocal waited
-                if source.recipe is not None:
-                    storage, seconds = self._remake(source, hold=True)
-                else:
-                    storage, seconds = self._offloader.fetch(source, hold=True)
-                waited += seconds
-                return storage
-
-            alive = replay(entry.recipe, entry.device, fetch)
-            entry.last = weakref.ref(alive)
-            self._check_replay(entry, alive)
-        else:
-            waited = 0.0
-        entry.loaded = alive if hold else None
-        return alive, waited
-
-    def _check_replay(self, entry: Entry, alive: torch.UntypedStorage) -> None:
-        """See Note [Check the first replays]."""
-        expected, entry.recipe.checksum = entry.recipe.checksum, None
-        if expected is None or torch.equal(checksum(alive, entry.device), expected):
-            return
-        self._unreplayable.add(entry.ordinal)
-        self.stats.replays_differed += 1
-        log.warning(
-            "[LMS] recomputing saved storage %d (%s) gave other bits than forward made, so "
-            "this step's gradients may differ from a plain step's in their last bits; it is "
-            "offloaded instead from the next step on",
-            entry.ordinal,
-            entry.recipe.calls[0].func,
-        )
-
-    def _refetches(self, step: _Step | None, entry: Entry) -> bool:
+    def _refetches(self, step: Step | None, entry: Entry) -> bool:
         """Whether the plan drops ``entry``'s device copy between uses and reads it again."""
         if self.plan is None or not self.plan.refetch or step is None or step.diverged:
             return False
@@ -693,26 +563,12 @@ class LMS:
             step.refetch_set = set(self.plan.refetch)
         return entry.ordinal in step.refetch_set
 
-    def _use_queue(self, step: _Step) -> list[Entry]:
-        if step.use_queue is None:
-            record = step.record
-            if record is not None and not step.diverged and len(record.nbytes) == len(step.entries):
-                order = record.use_order
-                seen = set(order)
-                order += [i for i in reversed(range(len(step.entries))) if i not in seen]
-                step.use_queue = [step.entries[i] for i in order]
-            else:
-                step.use_queue = list(reversed(step.entries))
-            step.use_pos = {e.ordinal: i for i, e in enumerate(step.use_queue)}
-            step.offloaded_at = [i for i, e in enumerate(step.use_queue) if e.offloaded]
-        return step.use_queue
-
-    def _prefetch_after(self, step: _Step, entry: Entry) -> None:
+    def _prefetch_after(self, step: Step, entry: Entry) -> None:
         """Start loading the next offloaded entries backward will read after ``entry``."""
         following = self.plan is not None and not step.diverged
         if self.config.sync_in or (following and self.plan and self.plan.sync_mode in (2, 3)):
             return
-        queue = self._use_queue(step)
+        queue = step.backward_queue()
         position = step.use_pos.get(entry.ordinal)
         if position is None:
             return
@@ -736,19 +592,6 @@ class LMS:
             if self._offloader.prefetch(upcoming):
                 self._mark_back(upcoming)
                 self.stats.prefetched_bytes += upcoming.nbytes
-
-    def _note_offloaded(self, entry: Entry) -> None:
-        """Keep ``offloaded_at`` whole when backward's queue exists before ``entry`` goes out
-        (a save during backward, as checkpointed regions make, can evict an older storage)."""
-        step = self._step
-        if step is None or step.use_queue is None or not step.owns(entry):
-            return
-        position = step.use_pos.get(entry.ordinal)
-        if position is None:
-            return
-        index = bisect.bisect_left(step.offloaded_at, position)
-        if index == len(step.offloaded_at) or step.offloaded_at[index] != position:
-            step.offloaded_at.insert(index, position)
 
     def _mark_back(self, entry: Entry) -> None:
         if not entry.back:
@@ -777,7 +620,7 @@ class LMS:
                 self._offloader.tidy()
 
     # -- gradient junctions -----------------------------------------------------------------
-    def _note_junction(self, step: _Step, entry: Entry, tensor: torch.Tensor) -> None:
+    def _note_junction(self, step: Step, entry: Entry, tensor: torch.Tensor) -> None:
         """Remember the autograd edge of ``entry`` when the plan relieves its junction."""
         if self.plan is None or not self.plan.stash or step.diverged:
             return
@@ -786,7 +629,7 @@ class LMS:
             if edge is not None:
                 step.junction_edges.setdefault(edge, entry.ordinal)
 
-    def _hook_junctions(self, step: _Step) -> None:
+    def _hook_junctions(self, step: Step) -> None:
         """At the first read in backward: hook the plan's junctions in the graph it runs."""
         if torch._C._current_graph_task_id() == -1 or self.plan is None:
             return
@@ -796,93 +639,17 @@ class LMS:
         # Each branch of backward holds a node whose output some op saved: walking down from
         # those finds the consumers that a walk from the first node misses.
         starts, step.saved_nodes = step.saved_nodes, []
-        hooked = junctions.attach(
-            edges,
-            root,
-            self._take_partial,
-            self._join_partial,
-            consumers=junctions.fan_in(root, *starts),
-            partials=self.plan.junction_partials(),
-        )
-        self._meeting = hooked
-        if len(hooked) != len(edges):
+        hooked = self._relief.attach(edges, root, starts, self.plan.junction_partials())
+        if hooked != len(edges):
             log.info(
                 "[LMS] %d of the plan's %d gradient junctions are not junctions of as many "
                 "partial gradients at run time; autograd sums those as usual",
-                len(edges) - len(hooked),
+                len(edges) - hooked,
                 len(edges),
             )
 
-    def _take_partial(self, key: Any, partial: torch.Tensor, last: bool) -> torch.Tensor | None:
-        """Move a partial gradient at junction ``key`` out: None, or for the last one a stand-in
-        for autograd to hold (see `junctions.partials_taken`). Or, where it cannot go, hand
-        autograd what it would have summed so far (the partials taken, then this one), and take
-        no more there in this backward."""
-        meeting = self._meeting.get(key, 2)
-        if key in self._summing or (last and junctions.partials_taken(meeting) < meeting):
-            return partial
-        if not torch.is_grad_enabled() and not self._keeps(partial):  # grad on: recorded
-            with self._lock:
-                entry = Entry(self._next_key, -1, partial.untyped_storage(), partial.device)
-                self._next_key += 1
-                with contextlib.suppress(HostMemoryError):  # then autograd sums here
-                    self._offloader.offload(entry)
-                if entry.offloaded:
-                    geometry = (
-                        partial.dtype,
-                        partial.storage_offset(),
-                        partial.size(),
-                        partial.stride(),
-                    )
-                    self._partials.setdefault(key, []).append((entry, geometry))
-                    self.stats.relieved_partials += 1
-                    self.stats.relieved_bytes += entry.nbytes
-                    if not last:
-                        return None
-                    stand_in = torch.zeros((), dtype=partial.dtype, device=partial.device)
-                    return stand_in.expand(partial.shape)
-                self._offloader.release(entry)
-        self._summing.add(key)  # the rest go to autograd, in the order they arrive
-        held = self._sum_partials(key)
-        return partial if held is None else _accumulate(held, partial)
-
-    def _join_partial(self, key: Any, rest: torch.Tensor | None) -> torch.Tensor | None:
-        """Bring the partials taken at ``key`` back, summed in the order they arrived, and add
-        the engine's sum of the rest to them."""
-        self._summing.discard(key)
-        if len(self._partials.get(key, ())) == self._meeting.get(key):
-            rest = None  # every partial was taken: autograd holds the stand-in for the last
-        held = self._sum_partials(key)
-        if held is None or rest is None:
-            return held
-        return _accumulate(held, rest)
-
-    def _sum_partials(self, key: Any) -> torch.Tensor | None:
-        """The partials taken at ``key`` brought back one at a time and summed; None if none."""
-        total: torch.Tensor | None = None
-        for entry, (dtype, offset, size, stride) in self._partials.pop(key, []):
-            with self._lock:
-                try:
-                    storage, waited = self._offloader.fetch(entry)
-                finally:
-                    self._offloader.release(entry)
-                self.stats.wait_s += waited
-                self.stats.reloaded_bytes = self._offloader.loaded_bytes
-            back = torch.empty(0, dtype=dtype, device=entry.device)
-            back.set_(storage, offset, size, stride)
-            total = back if total is None else _accumulate(total, back)
-        return total
-
-    def _drop_partials(self) -> None:
-        """Free the copies of partial gradients that no backward came back for."""
-        partials, self._partials = self._partials, {}
-        self._summing.clear()
-        for held in partials.values():
-            for entry, _ in held:
-                self._offloader.release(entry)
-
     # -- report ----------------------------------------------------------------------------
-    def _log_step(self, step: _Step) -> None:
+    def _log_step(self, step: Step) -> None:
         log.info(
             "[LMS] step %d saved %d storages (%s); offloaded %d (%s), %s to disk; "
             "peak resident saved %s",
@@ -900,20 +667,3 @@ class LMS:
         """The folder holding this runtime's spill files, while it has one."""
         disk = self._offloader.disk
         return disk.folder if disk is not None else None
-
-
-def _accumulate(total: torch.Tensor, partial: torch.Tensor) -> torch.Tensor:
-    """``total + partial`` as autograd sums partial gradients; in place in ``total`` (a copy
-    brought back, no one else's) where that is safe."""
-    if partial.shape == total.shape and partial.dtype == total.dtype and _dense(total):
-        return total.add_(partial)
-    return total + partial
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` covers its elements once each, so adding into it in place is safe."""
-    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
-    if tensor.is_contiguous():
-        return True
-    layout = formats.get(tensor.dim())
-    return layout is not None and tensor.is_contiguous(memory_format=layout)

@@ -231,14 +231,14 @@ def test_planner_recomputes_where_moving_costs_more():
 
 
 def test_a_replay_with_other_bits_is_warned_and_moved_from_then_on(spill_dir, caplog, monkeypatch):
-    import lms.runtime.session as session
+    import lms.runtime.recompute as runtime
 
     batch = [torch.randn(2, 3, 64, 64)]
     trace = _trace(Mixed, batch)
     plan = _recompute_all(trace)
     model = Mixed()
     ref = run_step(model, batch)
-    replay = session.replay
+    replay = runtime.replay
     changed = []
 
     def one_bit_off(recipe, device, fetch):  # as a kernel that picked another algorithm might
@@ -249,7 +249,7 @@ def test_a_replay_with_other_bits_is_warned_and_moved_from_then_on(spill_dir, ca
             data[0] ^= 1
         return out
 
-    monkeypatch.setattr(session, "replay", one_bit_off)
+    monkeypatch.setattr(runtime, "replay", one_bit_off)
     offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
     with caplog.at_level("WARNING", logger="lms"):
         run_step(model, batch, offload)

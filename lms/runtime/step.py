@@ -1,0 +1,107 @@
+"""One step's state in the runtime, and the handle autograd holds for each saved tensor."""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lms.runtime import junctions, policy
+from lms.runtime.store import Entry
+
+__all__ = ["Handle", "Step", "storage_bytes"]
+
+
+class Handle:
+    """What autograd holds instead of a saved tensor: its storage entry and view geometry."""
+
+    __slots__ = ("release", "entry", "dtype", "size", "stride", "offset")
+
+    def __init__(self, release: Callable[[Entry], None], entry: Entry, tensor: torch.Tensor):
+        self.release = release
+        """Called with ``entry`` when autograd lets go of this handle."""
+        self.entry = entry
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset()
+
+    def __del__(self) -> None:
+        self.release(self.entry)
+
+
+def storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of a plain strided tensor's storage; 0 for subclasses and other layouts."""
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+        return 0
+    return int(tensor.untyped_storage().nbytes())
+
+
+class Step:
+    """The state of one step: its entries in save order and the runtime's choices."""
+
+    def __init__(self, number: int, record: policy.StepRecord | None):
+        self.number = number
+        self.record = record
+        self.diverged = False
+        self.level = 0
+        self.entries: list[Entry] = []
+        self.first_use: dict[int, int] = {}
+        self.resident: collections.deque[Entry] = collections.deque()
+        self.resident_bytes = 0
+        self.largest_bytes = max(record.nbytes, default=0) if record else 0
+        self.offload_set: set[int] | None = None
+        self.refetch_set: set[int] | None = None
+        self.recompute_set: set[int] | None = None
+        self.spill_set: set[int] | None = None
+        self.use_queue: list[Entry] | None = None
+        self.use_pos: dict[int, int] = {}
+        self.offloaded_at: list[int] = []  # positions in use_queue of offloaded entries, sorted
+        self.save_level: dict[int, int] = {}
+        self.baseline_bytes: int | None = None
+        self.junction_edges: dict[junctions.Edge, int] = {}
+        self.saved_nodes: list[Any] = []  # grad_fn of each saved tensor, while junctions wait
+        self.walked = False
+        self.light = False  # saves pass through untouched (see LMS._calibrate)
+        self.saved_storage_bytes = 0  # bytes of the storages of every save, shared ones again
+
+    def owns(self, entry: Entry) -> bool:
+        return entry.ordinal < len(self.entries) and self.entries[entry.ordinal] is entry
+
+    def to_record(self) -> policy.StepRecord:
+        return policy.StepRecord(
+            save_level=tuple(self.save_level[e.ordinal] for e in self.entries),
+            nbytes=tuple(e.nbytes for e in self.entries),
+            first_use_level=tuple(self.first_use.get(e.ordinal) for e in self.entries),
+        )
+
+    def backward_queue(self) -> list[Entry]:
+        """The entries in the order backward first reads them: as the recorded step read them
+        when this step saves the same, else newest first. Made at backward's first read."""
+        if self.use_queue is None:
+            record = self.record
+            if record is not None and not self.diverged and len(record.nbytes) == len(self.entries):
+                order = record.use_order
+                seen = set(order)
+                order += [i for i in reversed(range(len(self.entries))) if i not in seen]
+                self.use_queue = [self.entries[i] for i in order]
+            else:
+                self.use_queue = list(reversed(self.entries))
+            self.use_pos = {e.ordinal: i for i, e in enumerate(self.use_queue)}
+            self.offloaded_at = [i for i, e in enumerate(self.use_queue) if e.offloaded]
+        return self.use_queue
+
+    def note_offloaded(self, entry: Entry) -> None:
+        """Keep ``offloaded_at`` whole when backward's queue exists before ``entry`` goes out
+        (a save during backward, as checkpointed regions make, can evict an older storage)."""
+        if self.use_queue is None:
+            return
+        position = self.use_pos.get(entry.ordinal)
+        if position is None:
+            return
+        index = bisect.bisect_left(self.offloaded_at, position)
+        if index == len(self.offloaded_at) or self.offloaded_at[index] != position:
+            self.offloaded_at.insert(index, position)

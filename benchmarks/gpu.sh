@@ -46,6 +46,9 @@ print(info); json.dump(info, open('$out/link.json', 'w'), indent=2)
     deeplabv3) sweep deeplabv3 deeplabv3 1100,1400,2000 120 --batch-size 2 ;;
     # The seed's 10x: ResNet50 at 12500 px (9.8x the pixels of 4000), two steps, the card capped
     # at 32 GiB, offloaded data held in up to 110 GiB of the host's 128 (the rest spills).
+    # There the first convolution's output (64 x 6250 x 6250) passes 2^31 elements, which PyTorch
+    # hands to cuDNN only from cuDNN 9.3 on (64-bit indexing); should a kernel refuse it,
+    # SIZES=11500 (8.3x, every tensor under 2^31 elements) is the run to make next.
     resnet50_10x) $PY -c "
 import sys, torch
 from lms.cli import main

@@ -333,8 +333,7 @@ class Replays:
             recipe.checksum = checksum(storage, entry.device)
         for source in recipe.inputs:
             source.handles += 1  # kept until this entry is released
-        base = entry.base() if entry.base is not None else None
-        entry.copied_version = base._version if base is not None else None
+        entry.note_copied()
         entry.recipe = recipe
         entry.storage = None
         self._stats.recomputed_tensors += 1

@@ -501,8 +501,7 @@ class LMS:
             self._offloader.wait_oldest()
 
     def _offload(self, entry: Entry) -> None:
-        base = entry.base() if entry.base is not None else None
-        entry.copied_version = base._version if base is not None else None
+        entry.note_copied()
         self._offloader.offload(entry, to_disk=self._planned_spill(entry))
         if entry.offloaded:
             step = self._step

@@ -77,6 +77,12 @@ class Entry:
         self.back = False  # brought back to the device since it was offloaded
         self.recipe: Any = None  # set when backward recomputes it instead
 
+    def note_copied(self) -> None:
+        """Remember its base's version as its bytes leave the device (copied out, or dropped to be
+        remade): see Note [Join a copied storage only through the same base at the same version]."""
+        base = self.base() if self.base is not None else None
+        self.copied_version = base._version if base is not None else None
+
 
 class Offloader:
     """Moves entries' bytes to host buffers or spill files and back, for one device type."""

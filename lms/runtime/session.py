@@ -6,7 +6,9 @@ One ``with`` block is one training step. Backward may run inside the block or af
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -110,9 +112,20 @@ class LMS:
         self._module_hook: Any = None
         self._warned_divergence = False
         self._calibrated: tuple[Plan, int] | None = None  # the plan, the most a full step saved
-        self._replays = Replays(self.stats, lambda entry: self._offloader.fetch(entry, hold=True))
+        # Note: [No reference cycles through the runtime]
+        # Its helpers get callables that do not hold the LMS object: a cycle would leave it (and
+        # a failed step's handles) to the cyclic collector, which may run on an I/O thread while
+        # this thread holds the lock that a handle's release takes.
+        self._replays = Replays(self.stats, functools.partial(self._offloader.fetch, hold=True))
         self._back_bytes = 0  # bytes of offloaded storages brought back and not yet released
-        self._relief = Relief(self._offloader, self.stats, self._lock, self._keeps, self._keys)
+        self._dropped: collections.deque[Entry] = collections.deque()  # releases to carry out
+        keeps = weakref.WeakMethod(self._keeps)
+
+        def kept(tensor: torch.Tensor) -> bool:
+            method = keeps()
+            return method is None or method(tensor)
+
+        self._relief = Relief(self._offloader, self.stats, self._lock, kept, self._keys)
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
 
     # -- context ---------------------------------------------------------------------------
@@ -154,6 +167,7 @@ class LMS:
             self._abort()
             return
         with self._lock:
+            self._release_dropped()
             step = self._step
             if step is not None and step.number == 1 and step.entries:
                 self._log_step(step)
@@ -310,6 +324,7 @@ class LMS:
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         with self._lock:
+            self._release_dropped()
             step = self._step
             assert step is not None
             step.level += 1
@@ -532,6 +547,7 @@ class LMS:
             return packed
         entry = packed.entry
         with self._lock:
+            self._release_dropped()
             step = self._step
             if step is not None and step.owns(entry):
                 step.level += 1
@@ -598,10 +614,28 @@ class LMS:
             self._back_bytes += entry.nbytes
 
     def _drop_handle(self, entry: Entry) -> None:
-        with self._lock:
+        """Autograd let go of a handle on ``entry``.
+
+        Note: [A handle may be released on any thread]
+        A handle is released where its graph is freed, and the cyclic collector may free one on
+        an I/O thread while this runtime's lock is held by a thread that waits for that I/O
+        thread. So a release that cannot take the lock at once is queued, and the holder
+        carries it out the next time it saves or reads a tensor, or ends the step.
+        """
+        self._dropped.append(entry)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._release_dropped()
+            finally:
+                self._lock.release()
+
+    def _release_dropped(self) -> None:
+        """Carry out the queued releases (see Note [A handle may be released on any thread])."""
+        while self._dropped:
+            entry = self._dropped.popleft()
             entry.handles -= 1
             if entry.handles > 0:
-                return
+                continue
             step = self._step
             if step is not None and entry in step.resident:
                 step.resident.remove(entry)
@@ -613,8 +647,7 @@ class LMS:
             self._live.pop(entry.key, None)
             recipe, entry.recipe = entry.recipe, None
             if recipe is not None:
-                for source in recipe.inputs:
-                    self._drop_handle(source)
+                self._dropped.extend(recipe.inputs)
             if not self._active and not self._live:
                 self._offloader.tidy()
 

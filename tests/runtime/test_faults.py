@@ -194,3 +194,19 @@ def test_ctrl_c_leaves_no_spill_files(tmp_path):
     assert "files 1" in result.stdout  # a spill folder existed when the interrupt came
     assert list(spill.iterdir()) == []
     assert signal.SIGINT  # the test sent a real SIGINT, handled as KeyboardInterrupt
+
+
+def test_the_runtime_is_freed_without_the_cyclic_collector(spill_dir):
+    """Note [No reference cycles through the runtime]: left to the cyclic collector, a failed
+    step's handles could be released on an I/O thread while the main thread holds the lock."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        offload = lms.LMS(tier="disk", spill_dir=spill_dir)
+        alive = weakref.ref(offload)
+        del offload
+        assert alive() is None
+    finally:
+        gc.enable()

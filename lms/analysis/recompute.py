@@ -21,7 +21,10 @@ import weakref
 
 from lms.analysis.records import Trace
 
-__all__ = ["RECOMPUTABLE_OPS", "Recipe", "recipes"]
+__all__ = ["MAX_DEPTH", "RECOMPUTABLE_OPS", "Recipe", "recipes"]
+
+MAX_DEPTH = 3
+"""How many storages deep a replay may remake storages that autograd did not save."""
 
 RECOMPUTABLE_OPS = frozenset(
     f"aten.{name}"
@@ -65,6 +68,34 @@ class Recipe:
     chainable: tuple[int, ...] = ()
     """Those of ``inputs`` with a recipe of their own that backward first reads no earlier than
     this storage: a plan may recompute them too, as part of this one's replay."""
+    scratch: tuple[int, ...] = ()
+    """Storages autograd did not save that the replay makes on the way (Note [Remake what was
+    never saved]), held until it ends."""
+    scratch_ops: tuple[int, ...] = ()
+    """The forward op indices that make ``scratch``, in the order they are replayed."""
+
+    @property
+    def all_ops(self) -> tuple[int, ...]:
+        """Every forward op the replay runs: ``scratch_ops`` then ``ops``."""
+        return self.scratch_ops + self.ops
+
+
+@dataclasses.dataclass
+class _Derived:
+    """A recipe while it is found."""
+
+    ops: tuple[int, ...]
+    inputs: set[int] = dataclasses.field(default_factory=set)
+    scratch: list[int] = dataclasses.field(default_factory=list)
+    scratch_ops: list[int] = dataclasses.field(default_factory=list)
+
+    def absorb(self, sub: _Derived, storage: int) -> None:
+        """Make ``storage`` with ``sub`` first (once, however often it is read)."""
+        if storage in self.scratch:
+            return
+        self.inputs |= sub.inputs
+        self.scratch += [s for s in sub.scratch if s not in self.scratch] + [storage]
+        self.scratch_ops += [k for k in (*sub.scratch_ops, *sub.ops) if k not in self.scratch_ops]
 
 
 _CACHE: dict[int, tuple[weakref.ref[Trace], dict[int, Recipe]]] = {}
@@ -94,35 +125,60 @@ def _find(trace: Trace) -> dict[int, Recipe]:
         if op.phase == "forward":
             for storage in op.outputs:
                 writers.setdefault(storage, []).append(op.index)
-    found: dict[int, Recipe] = {}
-    for ordinal, (storage, _, save_op) in enumerate(entries):
-        ops = writers.get(storage, [])
-        if not ops or storages[storage].alloc_op != ops[0] or ops[-1] >= save_op:
-            continue
+
+    def derive(
+        storage: int, ops: list[int], save_op: int, outer: tuple[int, ...]
+    ) -> _Derived | None:
+        """How to remake ``storage`` by replaying ``ops`` (its writes, the first allocating
+        it), reading saved storages no later than ``save_op`` or, within ``MAX_DEPTH``,
+        storages made again the same way; ``outer``: the storages that need this one."""
+        if not ops or storages[storage].alloc_op != ops[0]:
+            return None
         if trace.ops[ops[0]].outputs[0] != storage:  # the runtime replays the first output
-            continue
-        inputs: set[int] = set()
+            return None
+        made = _Derived(tuple(ops))
         for index in ops:
             op = trace.ops[index]
             if op.name not in RECOMPUTABLE_OPS:
-                break
+                return None
             for read in op.inputs:
                 if read == storage or storages[read].kind in ("param", "buffer"):
                     continue
-                if any(index < w < save_op for w in writers.get(read, ())):
-                    break  # rewritten before this storage is saved: a replay reads other bits
+                if read in outer:
+                    return None  # a replay that would need itself
                 if storages[read].nbytes < trace.min_offload_bytes and read not in op.outputs:
                     continue  # too small to offload (autocast's copy of a weight): held
-                # Another saved storage, saved no later than this one.
                 source = ordinal_of.get(read)
-                if source is None or first_save[read] > save_op:
-                    break
-                inputs.add(source)
-            else:
-                continue
-            break
-        else:
-            found[ordinal] = Recipe(tuple(ops), tuple(sorted(inputs)))
+                if source is not None:
+                    if any(index < w < save_op for w in writers.get(read, ())):
+                        return None  # rewritten before this one is saved: other bits
+                    if first_save[read] <= save_op:
+                        made.inputs.add(source)  # a saved storage, saved no later than this
+                        continue
+                # Note: [Remake what was never saved]
+                # A storage autograd did not save (a residual block's shortcut, summed into
+                # the block's output in place) is made again from what was, as it was when
+                # this op read it: its writes before this op. The replay frees it at its end.
+                earlier = [w for w in writers.get(read, ()) if w < index]
+                deep = len(outer) >= MAX_DEPTH
+                sub = None if deep else derive(read, earlier, save_op, (*outer, storage))
+                if sub is None:
+                    return None
+                made.absorb(sub, read)
+        return made
+
+    found: dict[int, Recipe] = {}
+    for ordinal, (storage, _, save_op) in enumerate(entries):
+        ops = writers.get(storage, [])
+        if ops and ops[-1] < save_op:
+            made = derive(storage, ops, save_op, ())
+            if made is not None:
+                found[ordinal] = Recipe(
+                    made.ops,
+                    tuple(sorted(made.inputs)),
+                    scratch=tuple(made.scratch),
+                    scratch_ops=tuple(made.scratch_ops),
+                )
     first_use = trace.first_use_op()
     for ordinal, recipe in found.items():
         use = first_use.get(entries[ordinal][0])

@@ -199,6 +199,7 @@ def simulate(
         if use_op is not None:
             recompute_at.setdefault(use_op, []).append(ordinal)
     recompute_start: dict[int, float] = {}
+    recompute_end: dict[int, float] = {}
     recompute_s = 0.0
     # Gradient junctions relieved: each partial but the last goes out when made, and all come
     # back to be summed before the producer's backward.
@@ -296,9 +297,10 @@ def simulate(
                     load(source)
                 arrive(source)
         recompute_start[ordinal] = now
-        cost = sum(seconds[k] for k in chosen[ordinal].ops)
+        cost = sum(seconds[k] for k in chosen[ordinal].all_ops)
         recompute_s += cost
         now += cost
+        recompute_end[ordinal] = now
 
     for index in range(len(trace.ops) + 1):
         if index < trace.backward_start_op:
@@ -385,6 +387,7 @@ def simulate(
             host_spans.append((out_start[ordinal], finish, nbytes))
 
     offloaded_storages = {storage_of[i]: i for i in offload}
+    nbytes_of = {record.id: record.nbytes for record in trace.storages}
     recomputed_storages = {entries[i][0]: i for i in recompute}
     roles = _junction_roles(relieved)
     for ordinal, junction in relieved.items():
@@ -422,6 +425,10 @@ def simulate(
                         record.id, record.nbytes, recompute_start[remade], finish, "recomputed"
                     )
                 )
+                span = (recompute_start[remade], recompute_end[remade])
+                for scratch in chosen[remade].scratch:  # made on the way, freed at its end
+                    nbytes = nbytes_of[scratch]
+                    intervals.append(Interval(scratch, nbytes, *span, "recomputed"))
             continue
         moved = offloaded_storages.get(record.id)
         if moved is not None and record.alloc_op < 0:

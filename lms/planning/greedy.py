@@ -16,6 +16,7 @@ by construction.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 
@@ -31,6 +32,10 @@ __all__ = ["plan_greedy"]
 log = logging.getLogger("lms.planning")
 _SWAP_TRIES = 4
 """Kept entries tried in place of each offloaded one (the smallest that cover the excess)."""
+_COMBINED = 8
+"""Offloaded tensors (the largest) whose pairs and triples are tried recomputed together."""
+_RECOMPUTE_ROUNDS = 3
+"""Rounds of the recompute pass, each after the prefetch distance is chosen again."""
 VARIANTS = ((1, 0), (2, 0), (4, 0), (8, 0), (1, 1), (2, 1), (1, 2), (1, 3))
 """(swapin_ahead, sync_mode) pairs the planner searches."""
 
@@ -151,11 +156,33 @@ def _refine(
     spent: Callable[[], bool],
     pressure: Callable[[int], float],
 ) -> tuple[float, Plan, set[int]]:
-    """Trade kept and offloaded entries, recompute more, then keep what that freed room for."""
+    """Trade kept and offloaded entries, recompute more (choosing the prefetch distance and
+    sync mode again after each round that changed anything), then keep what that freed room
+    for."""
     kept, step_s = _trade(checker, kept, step_s, ahead, sync_mode, remake, spent)
     offload = [i for i in range(checker.num_entries) if i not in kept]
-    remade, step_s = _recompute_pass(
-        checker, offload, ahead, sync_mode, step_s, spent, remake.intersection(offload)
+    remade = remake.intersection(offload)
+    for _ in range(_RECOMPUTE_ROUNDS):
+        more, step_s = _recompute_pass(checker, offload, ahead, sync_mode, step_s, spent, remade)
+        if more == remade:
+            break
+        remade = more
+        for other_ahead, other_sync in VARIANTS:
+            if spent():
+                break
+            result = checker.run(
+                checker.plan(
+                    offload,
+                    ahead=other_ahead,
+                    sync_mode=other_sync,
+                    source="planner",
+                    recompute=remade,
+                )
+            )
+            if checker.fits(result) and result.step_s < step_s * 0.999:
+                ahead, sync_mode, step_s = other_ahead, other_sync, result.step_s
+    remade, ahead, sync_mode, step_s = _combine(
+        checker, offload, remade, ahead, sync_mode, step_s, spent
     )
     for ordinal in sorted(set(offload) - remade, key=pressure):
         if spent():
@@ -260,7 +287,9 @@ def _recompute_pass(
     )
     held = _held_bytes(checker.run(plan))
     candidates = [i for i in offload if i in found]
-    for ordinal in sorted(candidates, key=lambda i: -entries[i][1]):
+    # Recipes that make unsaved storages on the way come last: taken first, they may crowd out
+    # chains that fit better.
+    for ordinal in sorted(candidates, key=lambda i: (bool(found[i].scratch), -entries[i][1])):
         if spent():
             break
         if ordinal in remade or not _chains(found, remade, ordinal, chains=True):
@@ -276,6 +305,49 @@ def _recompute_pass(
         if faster or (result.step_s <= step_s and _held_bytes(result) < held):
             remade, step_s, held = trial, min(step_s, result.step_s), _held_bytes(result)
     return remade, step_s
+
+
+def _combine(
+    checker: Checker,
+    offload: list[int],
+    remade: set[int],
+    ahead: int,
+    sync_mode: int,
+    step_s: float,
+    spent: Callable[[], bool],
+) -> tuple[set[int], int, int, float]:
+    """Recompute two or three more offloaded tensors at once, with each prefetch distance,
+    where that is faster: one alone may not fit or not pay (recomputing a block's output
+    needs memory in backward that recomputing its neighbours frees). The largest
+    `_COMBINED` candidates are tried; the fastest combination wins."""
+    found = recipes(checker.trace)
+    entries = checker.trace.entries()
+    candidates = sorted(
+        (i for i in offload if i in found and i not in remade), key=lambda i: -entries[i][1]
+    )[:_COMBINED]
+    best = (step_s, remade, ahead, sync_mode)
+    for size in (2, 3):
+        for combination in itertools.combinations(candidates, size):
+            chosen = set(remade)
+            for ordinal in combination:
+                if not _chains(found, chosen, ordinal, chains=True):
+                    break
+                chosen.add(ordinal)
+            else:
+                for other_ahead in sorted({ahead, *(a for a, sync in VARIANTS if sync == 0)}):
+                    if spent():
+                        return best[1], best[2], best[3], best[0]
+                    plan = checker.plan(
+                        offload,
+                        ahead=other_ahead,
+                        sync_mode=sync_mode,
+                        source="planner",
+                        recompute=chosen,
+                    )
+                    result = checker.run(plan)
+                    if checker.fits(result) and result.step_s < best[0] * 0.999:
+                        best = (result.step_s, chosen, other_ahead, sync_mode)
+    return best[1], best[2], best[3], best[0]
 
 
 def _distinct(*choices: set[int]) -> list[set[int]]:
@@ -305,7 +377,9 @@ def _cheaper_to_recompute(
     """Tensors with a recipe that runs faster than their copy over the link, those that save
     the most time first, recomputed from one another only where ``chains`` allows (`_chains`);
     without ``convolutions``, only recipes bound by memory traffic (no FLOPs counted: norms,
-    activations, elementwise arithmetic)."""
+    activations, elementwise arithmetic). Recipes that make unsaved storages on the way are
+    left to the refinement, which prices their scratch memory: chosen here, where the copy
+    time saved is all that counts, they crowd out chains that fit better."""
     found = recipes(checker.trace)
     seconds = op_seconds(checker.trace, checker.spec, half)
     entries = checker.trace.entries()
@@ -314,7 +388,7 @@ def _cheaper_to_recompute(
     saved = {
         i: entries[i][1] / link - sum(seconds[k] for k in recipe.ops)
         for i, recipe in found.items()
-        if convolutions or not any(ops[k].flops for k in recipe.ops)
+        if not recipe.scratch and (convolutions or not any(ops[k].flops for k in recipe.ops))
     }
     chosen: set[int] = set()
     for ordinal in sorted(saved, key=lambda i: -saved[i]):  # the most copy time saved first

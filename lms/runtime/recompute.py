@@ -3,8 +3,10 @@
 While a plan recomputes anything, `WriteLog` (a dispatch mode) watches forward: for each storage
 that a recomputable op (`lms.analysis.recompute.RECOMPUTABLE_OPS`) allocates, it keeps the calls
 that wrote it. When autograd saves such a storage, the session turns that history into a `Recipe`
-whose tensor arguments are the storage itself, parameters and buffers, or other saved entries; in
-backward the recipe replays the same aten calls on the same bits, so the result is identical.
+whose tensor arguments are the storage itself, parameters and buffers, other saved entries, or
+storages autograd did not save, made again by recipes of their own (Note [Remake what was never
+saved], `lms.analysis.recompute`); in backward the recipe replays the same aten calls on the same
+bits, so the result is identical.
 """
 
 from __future__ import annotations
@@ -47,6 +49,20 @@ class _Arg:
     written: bool
     entry: Any
     """The saved entry holding its storage when the call ran, if autograd had saved it by then."""
+    ptr: int
+    """Its storage's address when the call ran."""
+    made: _Made | None = None
+    """How forward had made its storage by then, where recomputable ops alone wrote it (Note
+    [Remake what was never saved])."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Made:
+    """The history of a storage as a later call found it."""
+
+    ptr: int
+    nbytes: int
+    calls: tuple[_Written, ...]
 
 
 @dataclasses.dataclass
@@ -62,7 +78,7 @@ class _Written:
 class Slot:
     """A tensor argument of a recipe call: a view of the target, of an entry, or a fixed tensor."""
 
-    kind: str  # "self", "entry" or "fixed"
+    kind: str  # "self", "entry", "fixed" or "made"
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
@@ -71,6 +87,8 @@ class Slot:
     fixed: torch.Tensor | None = None
     version: int = 0
     written: bool = False
+    made: Recipe | None = None
+    """For "made": the recipe of a storage autograd did not save, replayed first."""
 
 
 @dataclasses.dataclass
@@ -93,12 +111,23 @@ class Recipe:
     """Of the bytes forward made, where the first replay is to be checked against them."""
 
 
+_UNDECLARED_WRITES = {
+    # Note: [Running statistics are written]
+    # These kernels update the running mean and variance in place in training mode, but their
+    # schemas do not mark those arguments as written. A replay must write copies of them, not
+    # the buffers themselves, or each replay applies the momentum again.
+    "aten.native_batch_norm.default": (3, 4),
+    "aten.cudnn_batch_norm.default": (3, 4),
+}
+
+
 def _written_positions(func: Any, num_args: int) -> set[int]:
-    return {
+    declared = {
         i
         for i, arg in enumerate(func._schema.arguments[:num_args])
         if arg.alias_info is not None and arg.alias_info.is_write
     }
+    return declared | {i for i in _UNDECLARED_WRITES.get(str(func), ()) if i < num_args}
 
 
 class WriteLog(TorchDispatchMode):
@@ -116,6 +145,8 @@ class WriteLog(TorchDispatchMode):
         self.small_bytes = small_bytes
         """Arguments whose storage is smaller than this (never offloaded) are held as they are."""
         self.histories: dict[int, tuple[weakref.ref[torch.UntypedStorage], list[_Written]]] = {}
+        self.unsaved: dict[int, list[_Arg]] = {}
+        """Arguments read before autograd saved their storage, by its address (`saved`)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
@@ -160,10 +191,13 @@ class WriteLog(TorchDispatchMode):
         if not isinstance(leaf, torch.Tensor):
             return leaf
         storage = leaf.untyped_storage()
-        fixed = storage.data_ptr() in self.fixed_ptrs or (
-            storage.nbytes() < self.small_bytes and not written
-        )
-        return _Arg(
+        ptr = storage.data_ptr()
+        fixed = ptr in self.fixed_ptrs or (storage.nbytes() < self.small_bytes and not written)
+        made = None
+        known = self.histories.get(ptr) if not (fixed or written) else None
+        if known is not None and known[0]() is storage:
+            made = _Made(ptr, storage.nbytes(), tuple(known[1]))
+        arg = _Arg(
             storage=weakref.ref(storage),
             size=leaf.size(),
             stride=leaf.stride(),
@@ -174,31 +208,61 @@ class WriteLog(TorchDispatchMode):
             written=written,
             # Note: [Name a recipe's inputs by entry]
             # An offloaded input's device storage may be freed before the tensor that reads it
-            # is saved, so its entry is looked up now, while the storage is certainly alive.
+            # is saved, so its entry is looked up now, while the storage is certainly alive,
+            # or, where autograd saves it only after this call (BatchNorm saves its input once
+            # its kernel has run), given to it when it is saved (`saved`).
             entry=None if fixed else self.entry_of(storage),
+            ptr=ptr,
+            made=made,
         )
+        if not fixed and arg.entry is None and ptr != 0:
+            self.unsaved.setdefault(ptr, []).append(arg)
+        return arg
+
+    def saved(self, storage: torch.UntypedStorage, entry: Any) -> None:
+        """Autograd saved ``storage`` as ``entry``: name it in the arguments that read it
+        (Note [Name a recipe's inputs by entry])."""
+        for arg in self.unsaved.pop(storage.data_ptr(), ()):
+            if arg.storage() is storage:
+                arg.entry = entry
 
     def _entry(self, leaf: _Arg, storage: torch.UntypedStorage | None) -> Any:
         if leaf.entry is not None and not leaf.entry.released:
             return leaf.entry
         return self.entry_of(storage) if storage is not None else None
 
-    def recipe(self, storage: torch.UntypedStorage) -> Recipe | None:
-        """The recipe for ``storage``, or None when some argument cannot be had in backward."""
-        known = self.histories.get(storage.data_ptr())
+    def recipe(self, storage: torch.UntypedStorage, entry: Any = None) -> Recipe | None:
+        """The recipe for ``storage`` (saved as ``entry``), or None when some argument cannot be
+        had in backward."""
+        ptr = storage.data_ptr()
+        known = self.histories.get(ptr)
         if known is None or known[0]() is not storage:
             return None
-        calls: list[Call] = []
         inputs: list[Any] = []
-        for written in known[1]:
+        calls = self._calls(_Made(ptr, storage.nbytes(), tuple(known[1])), inputs, {}, entry)
+        return None if calls is None else Recipe(calls, inputs, storage.nbytes())
+
+    def _calls(
+        self,
+        made: _Made,
+        inputs: list[Any],
+        remade: dict[tuple[int, int], Recipe],
+        target: Any,
+    ) -> list[Call] | None:
+        """The calls that make ``made``'s storage again, its entries added to ``inputs``;
+        ``remade``: recipes of storages autograd did not save, built once per recipe;
+        ``target``: the entry the whole recipe makes, which none of them may read (an
+        address cannot tell: a storage freed early may have had the target's address)."""
+        calls: list[Call] = []
+        for written in made.calls:
             leaves: list[Any] = []
             for leaf in written.leaves:
                 if not isinstance(leaf, _Arg):
                     leaves.append(leaf)
                     continue
                 geometry = (leaf.size, leaf.stride, leaf.offset, leaf.dtype)
-                source = leaf.storage()
-                if source is storage:
+                if leaf.ptr == made.ptr and made.ptr != 0:
+                    # Only it had that address while its history ran.
                     leaves.append(Slot("self", *geometry))
                 elif leaf.fixed is not None:
                     if leaf.fixed._version != leaf.version and not leaf.written:
@@ -212,15 +276,24 @@ class WriteLog(TorchDispatchMode):
                             written=leaf.written,
                         )
                     )
-                else:
-                    entry = self._entry(leaf, source)
-                    if entry is None:
-                        return None
+                elif (entry := self._entry(leaf, leaf.storage())) is not None:
+                    if entry is target:
+                        return None  # a replay that would need itself
                     leaves.append(Slot("entry", *geometry, entry=entry))
                     if all(entry is not other for other in inputs):
                         inputs.append(entry)
+                elif leaf.made is not None:
+                    key = (id(leaf.made.calls[0]), len(leaf.made.calls))
+                    if key not in remade:
+                        sub = self._calls(leaf.made, inputs, remade, target)
+                        if sub is None:
+                            return None
+                        remade[key] = Recipe(sub, [], leaf.made.nbytes)
+                    leaves.append(Slot("made", *geometry, made=remade[key]))
+                else:
+                    return None
             calls.append(Call(written.func, leaves, written.spec))
-        return Recipe(calls, inputs, storage.nbytes())
+        return calls
 
 
 def checksum(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -244,6 +317,17 @@ def replay(
     fetch: Callable[[Any], torch.UntypedStorage],
 ) -> torch.UntypedStorage:
     """Run ``recipe``'s calls again; ``fetch`` gives the device storage of an input entry."""
+    return _replay(recipe, device, fetch, {})
+
+
+def _replay(
+    recipe: Recipe,
+    device: torch.device,
+    fetch: Callable[[Any], torch.UntypedStorage],
+    remade: dict[int, torch.UntypedStorage],
+) -> torch.UntypedStorage:
+    """`replay`, with ``remade``: the storages autograd did not save, made once in a replay
+    and freed with it."""
     target: torch.UntypedStorage | None = None
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
         for call in recipe.calls:
@@ -256,6 +340,11 @@ def replay(
                     leaves.append(_view(target, leaf, device))
                 elif leaf.kind == "entry":
                     leaves.append(_view(fetch(leaf.entry), leaf, device))
+                elif leaf.kind == "made":
+                    assert leaf.made is not None
+                    if id(leaf.made) not in remade:
+                        remade[id(leaf.made)] = _replay(leaf.made, device, fetch, remade)
+                    leaves.append(_view(remade[id(leaf.made)], leaf, device))
                 else:
                     assert leaf.fixed is not None
                     if leaf.fixed._version != leaf.version and not leaf.written:
@@ -310,6 +399,11 @@ class Replays:
         self._writes = WriteLog(fixed_ptrs, entry_of, small_bytes)
         self._writes.__enter__()
 
+    def saved(self, storage: torch.UntypedStorage, entry: Entry) -> None:
+        """See `WriteLog.saved`."""
+        if self._writes is not None:
+            self._writes.saved(storage, entry)
+
     def stop(self) -> None:
         if self._writes is not None:
             writes, self._writes = self._writes, None
@@ -321,7 +415,7 @@ class Replays:
         the first replay to be compared with."""
         if self._writes is None or entry.ordinal in self.unreplayable:
             return False
-        recipe = self._writes.recipe(storage)
+        recipe = self._writes.recipe(storage, entry)
         if recipe is None:
             return False
         if check:

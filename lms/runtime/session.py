@@ -388,6 +388,7 @@ class LMS:
         self._live[entry.key] = entry
         step.entries.append(entry)
         step.save_level[entry.ordinal] = step.level
+        self._replays.saved(storage, entry)
         self.stats.saved_bytes += entry.nbytes
         step.largest_bytes = max(step.largest_bytes, entry.nbytes)
         if step.baseline_bytes is None:

@@ -3,8 +3,9 @@
 A saved storage can be recomputed when every forward op that wrote it is a deterministic op whose
 replay gives the same bits (convolution, normalisation, activation, elementwise arithmetic), the
 first of them returned it as its first output, and their other inputs are parameters, buffers,
-other saved storages, or storages too small to offload (autocast's bf16 copy of a weight, which
-the runtime then holds for the recipe): the runtime replays exactly those aten calls, so the
+other saved storages, storages made again the same way (Note [Remake what was never saved]), or
+storages too small to offload (autocast's bf16 copy of a weight, which the runtime then holds for
+the recipe): the runtime replays exactly those aten calls, so the
 result is the same bits. Random ops (dropout's mask) and anything else are never replayed; a
 product with a saved mask is. Whether a replay is worth it (a convolution costs far more than a
 ReLU) is the planner's call, priced by the simulator.

@@ -22,9 +22,9 @@ import weakref
 
 from lms.analysis.records import Trace
 
-__all__ = ["MAX_DEPTH", "RECOMPUTABLE_OPS", "Recipe", "recipes"]
+__all__ = ["RECOMPUTABLE_OPS", "Recipe", "recipes"]
 
-MAX_DEPTH = 3
+_MAX_DEPTH = 3
 """How many storages deep a replay may remake storages that autograd did not save."""
 
 RECOMPUTABLE_OPS = frozenset(
@@ -131,7 +131,7 @@ def _find(trace: Trace) -> dict[int, Recipe]:
         storage: int, ops: list[int], save_op: int, outer: tuple[int, ...]
     ) -> _Derived | None:
         """How to remake ``storage`` by replaying ``ops`` (its writes, the first allocating
-        it), reading saved storages no later than ``save_op`` or, within ``MAX_DEPTH``,
+        it), reading saved storages no later than ``save_op`` or, within ``_MAX_DEPTH``,
         storages made again the same way; ``outer``: the storages that need this one."""
         if not ops or storages[storage].alloc_op != ops[0]:
             return None
@@ -161,7 +161,7 @@ def _find(trace: Trace) -> dict[int, Recipe]:
                 # the block's output in place) is made again from what was, as it was when
                 # this op read it: its writes before this op. The replay frees it at its end.
                 earlier = [w for w in writers.get(read, ()) if w < index]
-                deep = len(outer) >= MAX_DEPTH
+                deep = len(outer) >= _MAX_DEPTH
                 sub = None if deep else derive(read, earlier, save_op, (*outer, storage))
                 if sub is None:
                     return None

@@ -387,7 +387,8 @@ def simulate(
             host_spans.append((out_start[ordinal], finish, nbytes))
 
     offloaded_storages = {storage_of[i]: i for i in offload}
-    nbytes_of = {record.id: record.nbytes for record in trace.storages}
+    scratch_sizes = any(chosen[i].scratch for i in recompute)
+    nbytes_of = {record.id: record.nbytes for record in trace.storages} if scratch_sizes else {}
     recomputed_storages = {entries[i][0]: i for i in recompute}
     roles = _junction_roles(relieved)
     for ordinal, junction in relieved.items():

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from lms.analysis.devices import DeviceSpec
 from lms.analysis.recompute import Recipe, recipes
@@ -167,20 +167,9 @@ def _refine(
         if more == remade:
             break
         remade = more
-        for other_ahead, other_sync in VARIANTS:
-            if spent():
-                break
-            result = checker.run(
-                checker.plan(
-                    offload,
-                    ahead=other_ahead,
-                    sync_mode=other_sync,
-                    source="planner",
-                    recompute=remade,
-                )
-            )
-            if checker.fits(result) and result.step_s < step_s * 0.999:
-                ahead, sync_mode, step_s = other_ahead, other_sync, result.step_s
+        faster = _fastest_variant(checker, offload, remade, VARIANTS, step_s, spent)
+        if faster is not None:
+            step_s, ahead, sync_mode = faster
     remade, ahead, sync_mode, step_s = _combine(
         checker, offload, remade, ahead, sync_mode, step_s, spent
     )
@@ -325,29 +314,46 @@ def _combine(
     candidates = sorted(
         (i for i in offload if i in found and i not in remade), key=lambda i: -entries[i][1]
     )[:_COMBINED]
-    best = (step_s, remade, ahead, sync_mode)
+    variants = [(a, sync_mode) for a in sorted({ahead, *(a for a, s in VARIANTS if s == 0)})]
+    best = remade
     for size in (2, 3):
         for combination in itertools.combinations(candidates, size):
-            chosen = set(remade)
+            if spent():
+                return best, ahead, sync_mode, step_s
+            chosen = set(remade)  # each combination beside what was recomputed before
             for ordinal in combination:
                 if not _chains(found, chosen, ordinal, chains=True):
                     break
                 chosen.add(ordinal)
             else:
-                for other_ahead in sorted({ahead, *(a for a, sync in VARIANTS if sync == 0)}):
-                    if spent():
-                        return best[1], best[2], best[3], best[0]
-                    plan = checker.plan(
-                        offload,
-                        ahead=other_ahead,
-                        sync_mode=sync_mode,
-                        source="planner",
-                        recompute=chosen,
-                    )
-                    result = checker.run(plan)
-                    if checker.fits(result) and result.step_s < best[0] * 0.999:
-                        best = (result.step_s, chosen, other_ahead, sync_mode)
-    return best[1], best[2], best[3], best[0]
+                faster = _fastest_variant(checker, offload, chosen, variants, step_s, spent)
+                if faster is not None:
+                    (step_s, ahead, _), best = faster, chosen
+    return best, ahead, sync_mode, step_s
+
+
+def _fastest_variant(
+    checker: Checker,
+    offload: list[int],
+    remade: set[int],
+    variants: Sequence[tuple[int, int]],
+    step_s: float,
+    spent: Callable[[], bool],
+) -> tuple[float, int, int] | None:
+    """The fastest of ``variants`` ((swapin_ahead, sync_mode) pairs) for offloading
+    ``offload`` and recomputing ``remade`` that fits and beats ``step_s``: its step time and
+    pair; None where none does."""
+    best = None
+    for ahead, sync_mode in variants:
+        if spent():
+            break
+        plan = checker.plan(
+            offload, ahead=ahead, sync_mode=sync_mode, source="planner", recompute=remade
+        )
+        result = checker.run(plan)
+        if checker.fits(result) and result.step_s < step_s * 0.999:
+            best, step_s = (result.step_s, ahead, sync_mode), result.step_s
+    return best
 
 
 def _distinct(*choices: set[int]) -> list[set[int]]:

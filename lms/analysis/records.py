@@ -124,6 +124,7 @@ class Trace:
     device: str
     ops: tuple[OpRecord, ...]
     storages: tuple[StorageRecord, ...]
+    """By id: ``storages[i].id == i``."""
     events: tuple[SavedEvent, ...]
     param_bytes: int
     buffer_bytes: int

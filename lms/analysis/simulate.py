@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+from lms.analysis.clock import Clock, allowance
 from lms.analysis.devices import DeviceSpec
-from lms.analysis.recompute import recipes
-from lms.analysis.records import JunctionRecord, Trace
+from lms.analysis.records import JunctionRecord, StorageRecord, Trace
 from lms.plan import Plan
 from lms.runtime import policy
 
@@ -117,7 +117,7 @@ def runtime_plan(trace: Trace, budget_bytes: int, *, swapin_ahead: int = 2) -> P
     """
     entries = trace.entries()
     nbytes = [size for _, size, _ in entries]
-    chosen = policy.budget_offloads(nbytes, _allowance(trace, budget_bytes))
+    chosen = policy.budget_offloads(nbytes, allowance(trace, budget_bytes))
     return Plan(
         fingerprint=trace.fingerprint(),
         offload=tuple(sorted(chosen)),
@@ -125,18 +125,6 @@ def runtime_plan(trace: Trace, budget_bytes: int, *, swapin_ahead: int = 2) -> P
         swapin_ahead=swapin_ahead,
         budget_bytes=budget_bytes,
     )
-
-
-def _allowance(trace: Trace, budget_bytes: int) -> int:
-    """The runtime's allowance for saved bytes: see `lms.LMS`."""
-    first_save = min((e.op for e in trace.events if e.offloadable), default=0)
-    baseline = sum(
-        s.nbytes
-        for s in trace.storages
-        if s.alloc_op < first_save and (s.free_op is None or s.free_op >= first_save)
-    )
-    largest = max((size for _, size, _ in trace.entries()), default=0)
-    return budget_bytes - baseline - policy.reserve_bytes(largest)
 
 
 def simulate(
@@ -155,351 +143,127 @@ def simulate(
         half: price matmuls and convolutions at the fp16/bf16 rate (autocast runs).
     """
     seconds = op_seconds(trace, spec, half)
-    base_step_s = sum(seconds)
-    entries = trace.entries()
-    offload = set(plan.offload) if plan is not None else set()
-    ahead = plan.swapin_ahead if plan is not None else 2
-    sync_out = plan is not None and plan.sync_mode in (1, 3)
-    # Spilled entries go through host memory to disk and back, as the runtime moves them: a
-    # blocking copy to the host, a background write; a background read, a blocking copy in.
-    spill = set(plan.spill) if plan is not None else set()
-    sync_in = plan is not None and plan.sync_mode in (2, 3)
-    storage_of = {i: entries[i][0] for i in offload}
-    first_use = trace.first_use_op()
-    # Entries read back per use: each later use loads the copy again, on demand.
-    use_ops = trace.use_ops()
-    later_uses = {
-        i: use_ops[storage_of[i]][1:]
-        for i in (plan.refetch if plan is not None else ())
-        if len(use_ops.get(storage_of[i], ())) > 1
-    }
-    reloads_at: dict[int, list[int]] = {}
-    for ordinal, ops in later_uses.items():
-        for op in ops:
-            reloads_at.setdefault(op, []).append(ordinal)
-    reload_start: dict[int, list[float]] = {i: [] for i in later_uses}
-    # Entries recomputed from their recipes just before their first use.
-    recompute = set(plan.recompute) if plan is not None else set()
-    chosen = recipes(trace) if recompute else {}
-    unknown = sorted(recompute - set(chosen))
-    if unknown or recompute & offload:
-        raise ValueError(
-            f"lms: plan recomputes ordinals {unknown or sorted(recompute & offload)} that have no"
-            " recipe or are also offloaded"
-        )
-    recompute_at: dict[int, list[int]] = {}
-    for ordinal in recompute:
-        recipe = chosen[ordinal]
-        if any(i in recompute and i not in recipe.chainable for i in recipe.inputs):
-            raise ValueError(
-                f"lms: plan recomputes ordinal {ordinal} from a recomputed one that backward "
-                "reads before it"
-            )
-        use_op = first_use.get(entries[ordinal][0])
-        if use_op is not None:
-            recompute_at.setdefault(use_op, []).append(ordinal)
-    recompute_start: dict[int, float] = {}
-    recompute_end: dict[int, float] = {}
-    recompute_s = 0.0
-    # Gradient junctions relieved: each partial but the last goes out when made, and all come
-    # back to be summed before the producer's backward.
-    relieved = _relieved(trace, plan)
-    takes_at: dict[int, list[tuple[int, int]]] = {}
-    joins_at: dict[int, list[int]] = {}
-    for ordinal, junction in relieved.items():
-        for k, arrive_op in enumerate(junction.arrive_ops[: junction.taken]):
-            takes_at.setdefault(arrive_op, []).append((ordinal, k))
-        joins_at.setdefault(junction.join_op, []).append(ordinal)
-    taken: dict[tuple[int, int], tuple[float, float]] = {}  # copy out: start, done
-    rejoined: dict[int, tuple[float, float]] = {}  # copies in: start, done
-
-    # Prefetch triggers: the use of the offloaded entry `ahead` places earlier in use order.
-    used = sorted((first_use[storage_of[i]], i) for i in offload if storage_of[i] in first_use)
-    first_backward_use = min(first_use.values(), default=trace.backward_start_op)
-    issue_op: dict[int, int] = {}
-    for rank, (use_op, ordinal) in enumerate(used):
-        if sync_in:
-            issue_op[ordinal] = use_op
-        elif rank >= ahead:
-            issue_op[ordinal] = used[rank - ahead][0]
-        else:
-            issue_op[ordinal] = first_backward_use
-    saves_at: dict[int, list[int]] = {}
-    issues_at: dict[int, list[int]] = {}
-    needs_at: dict[int, list[int]] = {}
-    for ordinal in offload:
-        saves_at.setdefault(entries[ordinal][2], []).append(ordinal)
-        if ordinal in issue_op:
-            issues_at.setdefault(issue_op[ordinal], []).append(ordinal)
-            needs_at.setdefault(first_use[storage_of[ordinal]], []).append(ordinal)
-
-    d2h_bw = spec.d2h_gbps * 1e9
-    h2d_bw = spec.h2d_gbps * 1e9
-    write_bw = spec.disk_write_gbps * 1e9
-    read_bw = spec.disk_read_gbps * 1e9
-    written: dict[int, float] = {}
-    start = [0.0] * (len(trace.ops) + 1)
-    done_at = [0.0] * len(trace.ops)
-    out_done: dict[int, float] = {}
-    out_start: dict[int, float] = {}
-    in_issue: dict[int, float] = {}
-    in_done: dict[int, float] = {}
-    # The runtime waits for copies out while they would hold the step over its budget.
-    allowance = (
-        _allowance(trace, plan.budget_bytes)
-        if plan is not None and plan.budget_bytes is not None
-        else None
-    )
-    kept_at: dict[int, int] = {}
-    for ordinal, (_, size, save_op) in enumerate(entries):
-        if ordinal not in offload and ordinal not in recompute:
-            kept_at[save_op] = kept_at.get(save_op, 0) + size
-    kept = 0
-    pending: list[tuple[float, int]] = []
-    d2h_free = h2d_free = disk_free = 0.0
-    now = wait = 0.0
-
-    def load(ordinal: int) -> None:
-        """Start bringing ``ordinal`` back now, after copies in already queued."""
-        nonlocal h2d_free, disk_free
-        if ordinal in spill:
-            begin = max(now, disk_free, written[ordinal])
-            disk_free = in_done[ordinal] = begin + entries[ordinal][1] / read_bw
-            return
-        in_issue[ordinal] = now
-        begin = max(now, h2d_free, out_done.get(ordinal, 0.0))
-        h2d_free = in_done[ordinal] = begin + entries[ordinal][1] / h2d_bw
-
-    def arrive(ordinal: int) -> None:
-        """Wait until ``ordinal`` is back on the device (a spilled one: read, then copied in)."""
-        nonlocal now, wait
-        if in_done[ordinal] > now:
-            wait += in_done[ordinal] - now
-            now = in_done[ordinal]
-        if ordinal in spill and ordinal not in in_issue:
-            in_issue[ordinal] = now
-            copy = entries[ordinal][1] / h2d_bw
-            wait += copy
-            now = in_done[ordinal] = now + copy
-
-    def remake(ordinal: int) -> None:
-        """Recompute ``ordinal`` now, unless a chain made it already. Its inputs must be on the
-        device: offloaded ones are loaded now if not on their way, recomputed ones made first
-        (and held until their own first use)."""
-        nonlocal now, recompute_s
-        if ordinal in recompute_start:
-            return
-        for source in chosen[ordinal].inputs:
-            if source in recompute:
-                remake(source)
-            elif source in offload:
-                if source not in in_done:
-                    load(source)
-                arrive(source)
-        recompute_start[ordinal] = now
-        cost = sum(seconds[k] for k in chosen[ordinal].all_ops)
-        recompute_s += cost
-        now += cost
-        recompute_end[ordinal] = now
-
-    for index in range(len(trace.ops) + 1):
-        if index < trace.backward_start_op:
-            kept += kept_at.get(index, 0)
-        for ordinal in saves_at.get(index, ()):
-            if ordinal in spill:
-                copy = entries[ordinal][1] / d2h_bw
-                out_start[ordinal] = now
-                wait += copy
-                now = out_done[ordinal] = now + copy
-                disk_free = written[ordinal] = max(now, disk_free) + entries[ordinal][1] / write_bw
-                continue
-            out_start[ordinal] = max(now, d2h_free)
-            d2h_free = out_done[ordinal] = out_start[ordinal] + entries[ordinal][1] / d2h_bw
-            pending.append((d2h_free, entries[ordinal][1]))
-            if sync_out:
-                wait += d2h_free - now
-                now = d2h_free
-            pending = [(done, size) for done, size in pending if done > now]
-            while (
-                allowance is not None
-                and pending
-                and (kept + sum(size for _, size in pending) > allowance)
-            ):
-                done, _ = pending.pop(0)
-                wait += max(done - now, 0.0)
-                now = max(now, done)
-        for ordinal, k in takes_at.get(index, ()):
-            begin = max(now, d2h_free)
-            d2h_free = begin + relieved[ordinal].sizes[k] / d2h_bw
-            taken[ordinal, k] = (begin, d2h_free)
-            if sync_out:  # the runtime waits for every copy out, these too
-                wait += d2h_free - now
-                now = d2h_free
-        for ordinal in issues_at.get(index, ()):
-            if ordinal not in in_done:
-                load(ordinal)
-        for ordinal in recompute_at.get(index, ()):
-            remake(ordinal)
-        for ordinal in needs_at.get(index, ()):
-            arrive(ordinal)
-        for ordinal in reloads_at.get(index, ()):
-            size = entries[ordinal][1]
-            if ordinal in spill:  # read again and copied in, on demand
-                begin = max(now, disk_free)
-                disk_free = begin + size / read_bw
-                reload_start[ordinal].append(disk_free)
-                wait += disk_free + size / h2d_bw - now
-                now = disk_free + size / h2d_bw
-                continue
-            begin = max(now, h2d_free)
-            reload_start[ordinal].append(begin)
-            h2d_free = begin + size / h2d_bw
-            wait += h2d_free - now
-            now = h2d_free
-        for ordinal in joins_at.get(index, ()):
-            copied = (taken[ordinal, k][1] for k in range(relieved[ordinal].taken))
-            begin = max(now, h2d_free, *copied)
-            h2d_free = begin + relieved[ordinal].nbytes / h2d_bw
-            rejoined[ordinal] = (now, h2d_free)
-            wait += h2d_free - now
-            now = h2d_free
-        start[index] = now
-        if index < len(trace.ops):
-            now += seconds[index]
-            done_at[index] = now
-    end_s = now
-
-    def op_end(index: int | None) -> float:
-        """When the op's transient storages are freed: as soon as it finishes."""
-        if index is None or index >= len(done_at):
-            return end_s
-        return done_at[index]
-
-    intervals: list[Interval] = []
-    host_spans: list[tuple[float, float, int]] = []
-    disk_spans: list[tuple[float, float, int]] = []
-
-    def _hold(ordinal: int, finish: float, nbytes: int) -> None:
-        """Where the offloaded copy of ``ordinal`` is kept, from its copy out to ``finish``."""
-        if ordinal in spill:  # its staging copy, freed once written, is not counted
-            disk_spans.append((out_start[ordinal], finish, nbytes))
-        else:
-            host_spans.append((out_start[ordinal], finish, nbytes))
-
-    offloaded_storages = {storage_of[i]: i for i in offload}
-    scratch_sizes = any(chosen[i].scratch for i in recompute)
-    nbytes_of = {record.id: record.nbytes for record in trace.storages} if scratch_sizes else {}
-    recomputed_storages = {entries[i][0]: i for i in recompute}
-    roles = _junction_roles(relieved)
-    for ordinal, junction in relieved.items():
-        for k, size in enumerate(junction.sizes[: junction.taken]):
-            host_spans.append((taken[ordinal, k][0], rejoined[ordinal][1], size))
-        if junction.taken > 1:  # the sum so far and the next partial, while copied in
-            loading = Interval(junction.merged, junction.sizes[0], *rejoined[ordinal], "reloaded")
-            intervals.append(loading)
-    for record in trace.storages:
-        begin = 0.0 if record.alloc_op < 0 else start[record.alloc_op]
-        finish = op_end(record.free_op)
-        if record.id in roles:
-            for ordinal, k in roles[record.id]:
-                junction = relieved[ordinal]
-                if k == _MERGED:  # the sum is made in the copy brought back
-                    span = (rejoined[ordinal][0], finish)
-                    intervals.append(Interval(record.id, record.nbytes, *span, "reloaded"))
-                elif k >= junction.taken:  # the last waits where the engine sums
-                    out = max(rejoined[ordinal][1], finish)
-                    intervals.append(Interval(record.id, record.nbytes, begin, out, record.kind))
-                elif k >= 0:  # on the device until copied out and read
-                    out = max(taken[ordinal, k][1], op_end(_last_read(trace, junction, k)))
-                    intervals.append(Interval(record.id, record.nbytes, begin, out, record.kind))
-            continue
-        remade = recomputed_storages.get(record.id)
-        if remade is not None:
-            intervals.append(
-                Interval(
-                    record.id, record.nbytes, begin, op_end(record.last_forward_op), record.kind
-                )
-            )
-            if remade in recompute_start:
-                intervals.append(
-                    Interval(
-                        record.id, record.nbytes, recompute_start[remade], finish, "recomputed"
-                    )
-                )
-                span = (recompute_start[remade], recompute_end[remade])
-                for scratch in chosen[remade].scratch:  # made on the way, freed at its end
-                    nbytes = nbytes_of[scratch]
-                    intervals.append(Interval(scratch, nbytes, *span, "recomputed"))
-            continue
-        moved = offloaded_storages.get(record.id)
-        if moved is not None and record.alloc_op < 0:
-            # Held outside autograd since before the step (an input): the copy frees nothing.
-            _hold(moved, finish, record.nbytes)
-            moved = None
-        if moved is None:
-            intervals.append(Interval(record.id, record.nbytes, begin, finish, record.kind))
-            continue
-        released = max(out_done[moved], op_end(record.last_forward_op))
-        intervals.append(Interval(record.id, record.nbytes, begin, released, record.kind))
-        if moved in in_issue:
-            # Per use when read back per use: held from each load to the end of that use.
-            uses = later_uses.get(moved, [])
-            starts = [in_issue[moved], *reload_start.get(moved, [])]
-            ends = [
-                *(
-                    op_end(first_use[record.id] if k == 0 else uses[k - 1])
-                    for k in range(len(uses))
-                ),
-                finish,
-            ]
-            for begin_s, end_s_ in zip(starts, ends, strict=True):
-                intervals.append(Interval(record.id, record.nbytes, begin_s, end_s_, "reloaded"))
-        _hold(moved, finish, record.nbytes)
-
-    times, device, host, peak_tensor, peak_at = _sweep(intervals, host_spans, spec)
+    clock = Clock(trace, plan, spec, seconds)
+    held = _Residency(clock)
+    times, device, host, peak_tensor = _sweep(held.intervals, held.host_spans, spec)
     peak_rounded = max(device, default=0)
     peak_time = times[device.index(peak_rounded)] if device else 0.0
-    peak_op = max((i for i, s in enumerate(start[:-1]) if s <= peak_time), default=0)
-    del peak_at
+    peak_op = max((i for i, s in enumerate(clock.start[:-1]) if s <= peak_time), default=0)
+    entries = clock.entries
     return SimResult(
         peak_bytes=peak_rounded + spec.workspace_bytes,
         peak_tensor_bytes=peak_tensor,
         peak_op=peak_op,
         host_peak_bytes=max(host, default=0),
-        offloaded_bytes=sum(entries[i][1] for i in offload),
-        offloaded_tensors=len(offload),
-        step_s=end_s,
-        base_step_s=base_step_s,
-        wait_s=wait,
+        offloaded_bytes=sum(entries[i][1] for i in clock.offload),
+        offloaded_tensors=len(clock.offload),
+        step_s=clock.end_s,
+        base_step_s=sum(seconds),
+        wait_s=clock.wait_s,
         timeline_s=tuple(times),
         device_bytes=tuple(device),
         host_bytes=tuple(host),
-        intervals=tuple(intervals),
-        recomputed_bytes=sum(entries[i][1] for i in recompute),
-        recompute_s=recompute_s,
-        disk_peak_bytes=max(_sweep((), disk_spans, spec)[2], default=0),
-        relieved_junctions=len(relieved),
-        relieved_bytes=sum(j.nbytes for j in relieved.values()),
-        backward_start_s=start[min(trace.backward_start_op, len(trace.ops))],
+        intervals=tuple(held.intervals),
+        recomputed_bytes=sum(entries[i][1] for i in clock.recompute),
+        recompute_s=clock.recompute_s,
+        disk_peak_bytes=max(_sweep((), held.disk_spans, spec)[2], default=0),
+        relieved_junctions=len(clock.relieved),
+        relieved_bytes=sum(j.nbytes for j in clock.relieved.values()),
+        backward_start_s=clock.start[min(trace.backward_start_op, len(trace.ops))],
     )
 
 
-def _relieved(trace: Trace, plan: Plan | None) -> dict[int, JunctionRecord]:
-    """The plan's relieved junctions that the trace saw as the plan counts them, by ordinal;
-    each storage in one only."""
-    if plan is None or not plan.stash:
-        return {}
-    known = trace.junction_ordinals()
-    counts = plan.junction_partials()
-    chosen: dict[int, JunctionRecord] = {}
-    used: set[int] = set()
-    for ordinal in sorted(plan.stash):
-        junction = known.get(ordinal)
-        if junction is None or junction.partials != counts[ordinal] or junction.sums & used:
-            continue
-        used |= junction.sums
-        chosen[ordinal] = junction
-    return chosen
+_Span = tuple[float, float, int]  # held from, held to, bytes
+
+
+class _Residency:
+    """When each storage of a clocked step is on the device (``intervals``), and when each
+    offloaded copy is in host memory (``host_spans``) or in a spill file (``disk_spans``)."""
+
+    def __init__(self, clock: Clock):
+        self.clock = clock
+        self.intervals: list[Interval] = []
+        self.host_spans: list[_Span] = []
+        self.disk_spans: list[_Span] = []
+        entries = clock.entries
+        moved = {clock.storage_of[i]: i for i in clock.offload}
+        remade = {entries[i][0]: i for i in clock.recompute}
+        roles = _junction_roles(clock.relieved)
+        for ordinal, junction in clock.relieved.items():
+            for k, size in enumerate(junction.sizes[: junction.taken]):
+                span = (clock.taken[ordinal, k][0], clock.rejoined[ordinal][1], size)
+                self.host_spans.append(span)
+            if junction.taken > 1:  # the sum so far and the next partial, while copied in
+                loading = (junction.merged, junction.sizes[0], *clock.rejoined[ordinal])
+                self.intervals.append(Interval(*loading, "reloaded"))
+        for record in clock.trace.storages:
+            if record.id in roles:
+                self._junction(record, roles[record.id])
+            elif record.id in remade:
+                self._remade(record, remade[record.id])
+            elif record.id in moved:
+                self._moved(record, moved[record.id])
+            else:
+                self._add(record, self._begin(record), clock.op_end(record.free_op))
+
+    def _begin(self, record: StorageRecord) -> float:
+        return 0.0 if record.alloc_op < 0 else self.clock.start[record.alloc_op]
+
+    def _add(self, record: StorageRecord, begin: float, end: float, kind: str = "") -> None:
+        self.intervals.append(Interval(record.id, record.nbytes, begin, end, kind or record.kind))
+
+    def _hold(self, ordinal: int, finish: float, nbytes: int) -> None:
+        """Where the offloaded copy of ``ordinal`` is kept, from its copy out to ``finish``."""
+        span = (self.clock.out_start[ordinal], finish, nbytes)
+        if ordinal in self.clock.spill:  # its staging copy, freed once written, is not counted
+            self.disk_spans.append(span)
+        else:
+            self.host_spans.append(span)
+
+    def _junction(self, record: StorageRecord, roles: list[tuple[int, int]]) -> None:
+        clock = self.clock
+        begin, finish = self._begin(record), clock.op_end(record.free_op)
+        for ordinal, k in roles:
+            junction = clock.relieved[ordinal]
+            if k == _MERGED:  # the sum is made in the copy brought back
+                self._add(record, clock.rejoined[ordinal][0], finish, "reloaded")
+            elif k >= junction.taken:  # the last waits where the engine sums
+                self._add(record, begin, max(clock.rejoined[ordinal][1], finish))
+            elif k >= 0:  # on the device until copied out and read
+                read = clock.op_end(_last_read(clock.trace, junction, k))
+                self._add(record, begin, max(clock.taken[ordinal, k][1], read))
+
+    def _remade(self, record: StorageRecord, ordinal: int) -> None:
+        """Freed after forward; made again, with its scratch storages, before backward's use."""
+        clock = self.clock
+        self._add(record, self._begin(record), clock.op_end(record.last_forward_op))
+        if ordinal not in clock.recompute_start:
+            return
+        start, end = clock.recompute_start[ordinal], clock.recompute_end[ordinal]
+        self._add(record, start, clock.op_end(record.free_op), "recomputed")
+        for scratch in clock.chosen[ordinal].scratch:  # made on the way, freed at its end
+            nbytes = clock.trace.storages[scratch].nbytes
+            self.intervals.append(Interval(scratch, nbytes, start, end, "recomputed"))
+
+    def _moved(self, record: StorageRecord, ordinal: int) -> None:
+        """On the device until copied out, and again from each load to the use it serves."""
+        clock = self.clock
+        begin, finish = self._begin(record), clock.op_end(record.free_op)
+        if record.alloc_op < 0:
+            # Held outside autograd since before the step (an input): the copy frees nothing.
+            self._hold(ordinal, finish, record.nbytes)
+            self._add(record, begin, finish)
+            return
+        self._add(record, begin, max(clock.out_done[ordinal], clock.op_end(record.last_forward_op)))
+        if ordinal in clock.in_issue:
+            # Per use when read back per use: held from each load to the end of that use.
+            uses = clock.later_uses.get(ordinal, [])
+            starts = [clock.in_issue[ordinal], *clock.reload_start.get(ordinal, [])]
+            served = [clock.first_use[record.id], *uses][: len(uses)]
+            ends = [*(clock.op_end(op) for op in served), finish]
+            for load_s, end_s in zip(starts, ends, strict=True):
+                self._add(record, load_s, end_s, "reloaded")
+        self._hold(ordinal, finish, record.nbytes)
 
 
 _MERGED = -1  # role of the sum's storage
@@ -536,7 +300,7 @@ def _sweep(
     intervals: Iterable[Interval],
     host_spans: Iterable[tuple[float, float, int]],
     spec: DeviceSpec,
-) -> tuple[list[float], list[int], list[int], int, float]:
+) -> tuple[list[float], list[int], list[int], int]:
     """Piecewise-constant device and host bytes; frees before allocations at equal times."""
     changes: list[tuple[float, int, int, int, int]] = []  # time, order, rounded, raw, host
     for span in intervals:
@@ -551,13 +315,12 @@ def _sweep(
     device: list[int] = []
     host: list[int] = []
     rounded_total = raw_total = host_total = 0
-    peak_raw, peak_at = 0, 0.0
+    peak_raw = 0
     for time_s, _, rounded, raw, held in changes:
         rounded_total += rounded
         raw_total += raw
         host_total += held
-        if raw_total > peak_raw:
-            peak_raw, peak_at = raw_total, time_s
+        peak_raw = max(peak_raw, raw_total)
         if times and times[-1] == time_s:
             device[-1], host[-1] = rounded_total, host_total
             continue
@@ -565,4 +328,4 @@ def _sweep(
         device.append(rounded_total)
         host.append(host_total)
     # Peaks inside a group of equal times that frees before it allocates are seen above.
-    return times, device, host, peak_raw, peak_at
+    return times, device, host, peak_raw

@@ -8,13 +8,26 @@ event has completed (Note: [Allocate reloads on the compute stream]).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
-__all__ = ["HostPool", "bucket_bytes"]
+__all__ = ["HostPool", "available_host_bytes", "bucket_bytes"]
 
 _STEP = 2 * 1024**2
+
+
+def available_host_bytes() -> int:
+    """Host memory the system could hand out now (``MemAvailable``)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def bucket_bytes(nbytes: int) -> int:

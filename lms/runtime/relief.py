@@ -8,6 +8,7 @@ junctions, and how the sum stays bit for bit]); `Relief` is what the hooks call.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,11 +16,15 @@ from typing import Any
 import torch
 
 from lms.errors import HostMemoryError
+from lms.plan import Plan
 from lms.runtime import junctions
 from lms.runtime.stats import LMSStats
+from lms.runtime.step import Step
 from lms.runtime.store import Entry, Offloader
 
 __all__ = ["Relief"]
+
+log = logging.getLogger("lms.runtime")
 
 _Geometry = tuple[torch.dtype, int, torch.Size, tuple[int, ...]]
 
@@ -48,6 +53,34 @@ class Relief:
     def holding(self) -> bool:
         """Whether some partial gradient is off the device, waiting for its junction."""
         return bool(self._held)
+
+    def note(self, step: Step, plan: Plan | None, entry: Entry, tensor: torch.Tensor) -> None:
+        """Remember the autograd edge of ``entry`` when ``plan`` relieves its junction."""
+        if plan is None or not plan.stash or step.diverged:
+            return
+        if entry.ordinal in plan.stash:
+            edge = junctions.edge_of(tensor)
+            if edge is not None:
+                step.junction_edges.setdefault(edge, entry.ordinal)
+
+    def hook(self, step: Step, plan: Plan | None) -> None:
+        """At the first read in backward: hook ``plan``'s junctions in the graph it runs."""
+        if torch._C._current_graph_task_id() == -1 or plan is None:
+            return
+        step.walked = True
+        root = torch._C._current_autograd_node()
+        edges, step.junction_edges = step.junction_edges, {}
+        # Each branch of backward holds a node whose output some op saved: walking down from
+        # those finds the consumers that a walk from the first node misses.
+        starts, step.saved_nodes = step.saved_nodes, []
+        hooked = self.attach(edges, root, starts, plan.junction_partials())
+        if hooked != len(edges):
+            log.info(
+                "[LMS] %d of the plan's %d gradient junctions are not junctions of as many "
+                "partial gradients at run time; autograd sums those as usual",
+                len(edges) - hooked,
+                len(edges),
+            )
 
     def attach(
         self,

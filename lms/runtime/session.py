@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import bisect
 import collections
-import contextlib
 import functools
 import itertools
 import logging
-import os
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,7 +19,10 @@ import torch
 from lms._units import format_bytes
 from lms.config import LMSConfig
 from lms.plan import Plan
-from lms.runtime import junctions, policy
+from lms.runtime import policy
+from lms.runtime.follow import Follow
+from lms.runtime.keep import Keep, no_offload
+from lms.runtime.pool import available_host_bytes
 from lms.runtime.recompute import Replays
 from lms.runtime.relief import Relief
 from lms.runtime.stats import LMSStats
@@ -32,28 +32,6 @@ from lms.runtime.store import Entry, Offloader
 __all__ = ["LMS", "no_offload"]
 
 log = logging.getLogger("lms.runtime")
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def no_offload() -> Iterator[None]:
-    """Keep every tensor saved inside this block on the device."""
-    _local.depth = getattr(_local, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.depth -= 1
-
-
-def _available_host_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 class LMS:
@@ -84,10 +62,10 @@ class LMS:
                 f"lms: the plan sends {len(plan.spill)} tensors to spill files but tier='host'; "
                 "use tier='auto', or tune with tier='host' for a plan that stays in host memory"
             )
-        self.plan = plan
+        self._follow = Follow(self.config, plan)
         host_limit = self.config.host_budget
         if host_limit is None:
-            host_limit = _available_host_bytes() // 2
+            host_limit = available_host_bytes() // 2
         self._offloader = Offloader(
             tier=self.config.tier,
             host_limit_bytes=int(host_limit),
@@ -104,14 +82,11 @@ class LMS:
         self._record: policy.StepRecord | None = None
         self._live: dict[int, Entry] = {}
         self._by_storage: dict[tuple[str, int], tuple[weakref.ref[Any], Entry]] = {}
-        self._fixed_ptrs: set[int] = set()
-        self._min_offload = max(self.config.min_offload, 1)
+        self._keep = Keep(self.config.min_offload)
         self._keys = itertools.count()  # entry keys (spill file names), unique in this runtime
         self._active = False
         self._hooks: Any = None
         self._module_hook: Any = None
-        self._warned_divergence = False
-        self._calibrated: tuple[Plan, int] | None = None  # the plan, the most a full step saved
         # Note: [No reference cycles through the runtime]
         # Its helpers get callables that do not hold the LMS object: a cycle would leave it (and
         # a failed step's handles) to the cyclic collector, which may run on an I/O thread while
@@ -119,14 +94,17 @@ class LMS:
         self._replays = Replays(self.stats, functools.partial(self._offloader.fetch, hold=True))
         self._back_bytes = 0  # bytes of offloaded storages brought back and not yet released
         self._dropped: collections.deque[Entry] = collections.deque()  # releases to carry out
-        keeps = weakref.WeakMethod(self._keeps)
-
-        def kept(tensor: torch.Tensor) -> bool:
-            method = keeps()
-            return method is None or method(tensor)
-
-        self._relief = Relief(self._offloader, self.stats, self._lock, kept, self._keys)
+        self._relief = Relief(self._offloader, self.stats, self._lock, self._keep, self._keys)
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan steps follow (from `tune`, or given); None: the budget's own policy."""
+        return self._follow.plan
+
+    @plan.setter
+    def plan(self, plan: Plan | None) -> None:
+        self._follow.plan = plan
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> LMS:
@@ -139,7 +117,7 @@ class LMS:
                 self._record = previous.to_record()
             self._step = Step(self.stats.steps + 1, self._record)
             self.stats.steps += 1
-            self._step.light = self._runs_light()
+            self._step.light = self._follow.runs_light()
         if self._step.light:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(
                 self._pack_light, self._unpack_light
@@ -148,11 +126,11 @@ class LMS:
         else:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
             self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                self._note_module
+                self._keep.note_module
             )
         self._hooks.__enter__()
         if self.plan is not None and self.plan.recompute:
-            self._replays.watch(self._fixed_ptrs, self._entry_of, self._min_offload)
+            self._replays.watch(self._keep.fixed_ptrs, self._entry_of, self._keep.min_bytes)
         self._active = True
         return self
 
@@ -178,8 +156,8 @@ class LMS:
                 and not step.light
                 and len(step.entries) != self.plan.num_entries
             ):
-                self._diverged(step, len(step.entries), "plan was made for")
-            self._calibrate(step)
+                self._follow.diverge(step, len(step.entries), "plan was made for")
+            self._follow.calibrate(step)
             if step is not None and not step.light and not step.diverged:
                 self._replays.checked = self.plan
             if not self._live:
@@ -218,10 +196,7 @@ class LMS:
             spill_dir=self.config.spill_dir,
         )
         self._offloader.sync_out = self.config.sync_out or self.plan.sync_mode in (1, 3)
-        # As in the trace, every parameter and buffer stays: also those the step reads without
-        # calling their module (a frozen attention's out_proj.weight, read by the functional op).
-        for tensor in [*model.parameters(), *model.buffers()]:
-            self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
+        self._keep.note_model(model)  # as in the trace
         return self.plan
 
     def close(self) -> None:
@@ -246,81 +221,26 @@ class LMS:
             )
 
     # -- hooks -----------------------------------------------------------------------------
-    def _note_module(self, module: torch.nn.Module, args: object) -> None:
-        # Runs before every module call: the tables directly, not parameters()'s generators.
-        for table in (module._parameters, module._buffers):
-            for tensor in table.values():
-                if tensor is not None:
-                    self._fixed_ptrs.add(tensor.untyped_storage().data_ptr())
-
-    def _calibrate(self, step: Step | None) -> None:
-        """After a step that followed its plan in full, remember the most bytes it saved.
-
-        Note: [A step that saves more than its plan's steps diverges]
-        A plan is made for one step's tensors, by their order. Once a step has followed it in
-        full (every save counted, none diverging), a later step that saves more bytes (a larger
-        batch of the same model, a longer sequence) is not the step the plan was made for: from
-        the save that goes past the most a full step saved, it follows the budget's own policy,
-        the earlier saves counted as memory already taken.
-
-        Note: [A plan that moves nothing runs light]
-        Where the plan moves nothing, the steps after the first full one run light: their saves
-        pass through untouched (no entries, no handles, no module hook) and only add up their
-        bytes, until a save goes past that most.
-        """
-        if step is None or step.diverged or step.light or self.plan is None:
-            return
-        most = step.saved_storage_bytes
-        if self._calibrated is not None and self._calibrated[0] is self.plan:
-            most = max(most, self._calibrated[1])
-        self._calibrated = (self.plan, most)
-
-    def _runs_light(self) -> bool:
-        """Whether the next step may run light (see Note [A plan that moves nothing runs light])."""
-        plan = self.plan
-        if plan is None or self._calibrated is None or self._calibrated[0] is not plan:
-            return False
-        moves = plan.offload or plan.recompute or plan.spill or plan.refetch or plan.stash
-        return not moves and not plan.stash_partials and self.config.swapout_threshold == -1
-
     def _pack_light(self, tensor: torch.Tensor) -> Any:
-        step = self._step
-        assert step is not None and self._calibrated is not None
+        step, calibrated = self._step, self._follow.calibrated
+        assert step is not None and calibrated is not None
         if not step.diverged:
             # _pack's check of the same bytes, inline: this is the hot path of a light step.
             step.saved_storage_bytes += storage_bytes(tensor)
-            if step.saved_storage_bytes <= self._calibrated[1]:
+            if step.saved_storage_bytes <= calibrated[1]:
                 with self._lock:
                     step.level += 1
                     self.stats.saved_tensors += 1
                     self.stats.kept_tensors += 1
                 return tensor
             with self._lock:
-                self._diverged(step, step.level, "plan was made for")
+                self._follow.diverge(step, step.level, "plan was made for")
         return self._pack(tensor)
 
     def _unpack_light(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, Handle):  # saved after the step diverged
             return self._unpack(packed)
         return packed  # type: ignore[no-any-return]
-
-    def _keeps(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` stays where it is: not an activation, or not worth moving."""
-        if getattr(_local, "depth", 0) > 0:
-            return True
-        if type(tensor) is not torch.Tensor:  # parameters, subclasses, fake tensors
-            return True
-        base = tensor if tensor._base is None else tensor._base
-        if base.is_leaf and base.requires_grad:  # a parameter, or a view of one (weight.t())
-            return True
-        if tensor.layout != torch.strided or tensor.is_conj() or tensor.is_neg():
-            return True
-        if tensor.device.type not in ("cpu", "cuda") or tensor.is_quantized:
-            return True
-        storage = tensor.untyped_storage()
-        if storage.nbytes() < self._min_offload:
-            return True
-        return storage.data_ptr() in self._fixed_ptrs
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         with self._lock:
@@ -331,18 +251,12 @@ class LMS:
             self.stats.saved_tensors += 1
             if not step.light:
                 step.saved_storage_bytes += storage_bytes(tensor)
-                calibrated = self._calibrated
-                if (
-                    calibrated is not None
-                    and calibrated[0] is self.plan
-                    and not step.diverged
-                    and step.saved_storage_bytes > calibrated[1]
-                ):
-                    self._diverged(step, step.level, "plan was made for")
+                if self._follow.past_calibration(step):
+                    self._follow.diverge(step, step.level, "plan was made for")
             plan = self.plan
             if plan is not None and plan.stash and not step.walked and tensor.grad_fn is not None:
                 step.saved_nodes.append(tensor.grad_fn)
-            if self._keeps(tensor):
+            if self._keep(tensor):
                 self.stats.kept_tensors += 1
                 return tensor
             self._offloader.poll()
@@ -358,7 +272,7 @@ class LMS:
             ):
                 entry = self._new_entry(step, storage, tensor.device, base)
                 self._by_storage[slot] = (weakref.ref(storage), entry)
-                self._note_junction(step, entry, tensor)
+                self._relief.note(step, self.plan, entry, tensor)
             entry.handles += 1
             return Handle(self._drop_handle, entry, tensor)
 
@@ -395,9 +309,9 @@ class LMS:
             step.baseline_bytes = (
                 torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             )
-        if self._planned_recompute(step, entry, storage):
+        if self._recompute(step, entry, storage):
             self._evict(step)
-        elif self._planned_offload(step, entry):
+        elif self._follow.offloads(step, entry):
             self._offload(entry)
             self._evict(step)
         else:
@@ -409,40 +323,16 @@ class LMS:
         )
         return entry
 
-    def _allowance(self, step: Step, *, backward: bool = False) -> int | None:
-        """Saved bytes (resident, plus brought back in ``backward``) the budget leaves room for."""
-        budget = self.config.budget_bytes
-        if budget is None:
-            return None
-        reserve = policy.reserve_bytes(step.largest_bytes, backward=backward)
-        return budget - (step.baseline_bytes or 0) - reserve
-
-    def _diverged(self, step: Step, ordinal: int, what: str) -> None:
-        step.diverged = True
-        if not self._warned_divergence:
-            self._warned_divergence = True
-            log.warning(
-                "[LMS] step %d saves tensors other than the %s (at save %d); falling back to "
-                "the runtime's own policy for this step",
-                step.number,
-                what,
-                ordinal,
-            )
-
-    def _planned_recompute(self, step: Step, entry: Entry, storage: torch.UntypedStorage) -> bool:
+    def _recompute(self, step: Step, entry: Entry, storage: torch.UntypedStorage) -> bool:
         """Drop ``entry``'s storage now and recompute it in backward, if the plan says so."""
-        if not self._replays.watching or self.plan is None or step.diverged:
-            return False
-        if step.recompute_set is None:
-            step.recompute_set = set(self.plan.recompute)
-        if entry.ordinal not in step.recompute_set:
+        if not self._replays.watching or not self._follow.recomputes(step, entry):
             return False
         if not self._replays.take(entry, storage, check=self._replays.checked is not self.plan):
             log.info(
                 "[LMS] saved storage %d has no recipe at run time; offloading it instead",
                 entry.ordinal,
             )
-            step.offload_set = (step.offload_set or set(self.plan.offload)) | {entry.ordinal}
+            self._follow.offload_instead(step, entry)
             return False
         return True
 
@@ -454,59 +344,12 @@ class LMS:
         step = self._step
         return found[1] if step is not None and step.owns(found[1]) else None
 
-    def _planned_offload(self, step: Step, entry: Entry) -> bool:
-        """With a plan or a record of an earlier step, decide at save time; False: keep for now."""
-        if self.plan is not None and not step.diverged:
-            if entry.ordinal >= self.plan.num_entries:
-                self._diverged(step, entry.ordinal, "plan was made for")
-                return False
-            if step.offload_set is None:
-                step.offload_set = set(self.plan.offload)
-            return entry.ordinal in step.offload_set
-        record = step.record
-        if record is None or step.diverged:
-            return False
-        ordinal = entry.ordinal
-        if ordinal >= len(record.nbytes) or record.nbytes[ordinal] != entry.nbytes:
-            self._diverged(step, ordinal, "recorded step did")
-            return False
-        if step.offload_set is None:
-            chosen: set[int] = set()
-            if self.config.swapout_threshold != -1:
-                chosen |= policy.threshold_offloads(record, self.config.swapout_threshold)
-            allowance = self._allowance(step)
-            if allowance is not None:
-                chosen |= policy.budget_offloads(record.nbytes, allowance)
-            step.offload_set = chosen
-        return ordinal in step.offload_set
-
-    def _planned_spill(self, entry: Entry) -> bool:
-        """Whether the plan sends ``entry`` to a spill file rather than host memory."""
-        step = self._step
-        if self.plan is None or not self.plan.spill or step is None or step.diverged:
-            return False
-        if step.spill_set is None:
-            step.spill_set = set(self.plan.spill)
-        return entry.ordinal in step.spill_set
-
     def _evict(self, step: Step) -> None:
         """Move the oldest resident entries out while the threshold or the budget demands it."""
-        planned = step.offload_set is not None and not step.diverged
-        threshold = self.config.swapout_threshold
-        lag = policy.threshold_lag(threshold) if threshold != -1 and not planned else None
-        allowance = None if planned else self._allowance(step)
-        newest = len(step.entries) - 1
-        while step.resident:
-            oldest = step.resident[0]
-            by_threshold = lag is not None and newest - oldest.ordinal >= lag
-            by_budget = allowance is not None and step.resident_bytes > allowance
-            if not (by_threshold or by_budget):
-                break
-            step.resident.popleft()
-            step.resident_bytes -= oldest.nbytes
+        for oldest in self._follow.evictions(step):
             if not oldest.released:
                 self._offload(oldest)
-        limit = self._allowance(step)
+        limit = self._follow.allowance(step)
         if limit is None:
             return
         # Evicted storages occupy the device until their copy out is done: wait for the oldest
@@ -518,7 +361,7 @@ class LMS:
 
     def _offload(self, entry: Entry) -> None:
         entry.note_copied()
-        self._offloader.offload(entry, to_disk=self._planned_spill(entry))
+        self._offloader.offload(entry, to_disk=self._follow.spills(self._step, entry))
         if entry.offloaded:
             step = self._step
             if step is not None and step.owns(entry):
@@ -537,7 +380,7 @@ class LMS:
     def _unpack(self, packed: Any) -> torch.Tensor:
         step = self._step
         if step is not None and step.junction_edges and not step.walked:
-            self._hook_junctions(step)
+            self._relief.hook(step, self.plan)
         if self._relief.holding:  # a partial gradient's device memory goes once copied out
             with self._lock:
                 self._offloader.poll()
@@ -557,7 +400,7 @@ class LMS:
             entry.uses += 1
             # A storage saved as several views stays loaded until each view was read once,
             # unless the plan reads it back for each use.
-            hold = entry.uses % entry.handles != 0 and not self._refetches(step, entry)
+            hold = entry.uses % entry.handles != 0 and not self._follow.refetches(step, entry)
             if entry.recipe is not None:
                 storage, waited = self._replays.remake(entry, hold=hold)
             else:
@@ -569,28 +412,16 @@ class LMS:
         out = torch.empty(0, dtype=packed.dtype, device=entry.device)
         return out.set_(storage, packed.offset, packed.size, packed.stride)
 
-    def _refetches(self, step: Step | None, entry: Entry) -> bool:
-        """Whether the plan drops ``entry``'s device copy between uses and reads it again."""
-        if self.plan is None or not self.plan.refetch or step is None or step.diverged:
-            return False
-        if not step.owns(entry):
-            return False
-        if step.refetch_set is None:
-            step.refetch_set = set(self.plan.refetch)
-        return entry.ordinal in step.refetch_set
-
     def _prefetch_after(self, step: Step, entry: Entry) -> None:
         """Start loading the next offloaded entries backward will read after ``entry``."""
-        following = self.plan is not None and not step.diverged
-        if self.config.sync_in or (following and self.plan and self.plan.sync_mode in (2, 3)):
+        prefetch = self._follow.prefetch(step)
+        if prefetch is None:
             return
         queue = step.backward_queue()
         position = step.use_pos.get(entry.ordinal)
         if position is None:
             return
-        # A plan's prefetches were checked by the simulator: follow them as they are.
-        allowance = None if following else self._allowance(step, backward=True)
-        ahead = self.plan.swapin_ahead if following and self.plan else self.config.ahead
+        ahead, allowance = prefetch
         started = 0
         offloaded = step.offloaded_at  # only these can need loading: no scan of the kept ones
         index = bisect.bisect_right(offloaded, position)
@@ -651,35 +482,6 @@ class LMS:
                 self._dropped.extend(recipe.inputs)
             if not self._active and not self._live:
                 self._offloader.tidy()
-
-    # -- gradient junctions -----------------------------------------------------------------
-    def _note_junction(self, step: Step, entry: Entry, tensor: torch.Tensor) -> None:
-        """Remember the autograd edge of ``entry`` when the plan relieves its junction."""
-        if self.plan is None or not self.plan.stash or step.diverged:
-            return
-        if entry.ordinal in self.plan.stash:
-            edge = junctions.edge_of(tensor)
-            if edge is not None:
-                step.junction_edges.setdefault(edge, entry.ordinal)
-
-    def _hook_junctions(self, step: Step) -> None:
-        """At the first read in backward: hook the plan's junctions in the graph it runs."""
-        if torch._C._current_graph_task_id() == -1 or self.plan is None:
-            return
-        step.walked = True
-        root = torch._C._current_autograd_node()
-        edges, step.junction_edges = step.junction_edges, {}
-        # Each branch of backward holds a node whose output some op saved: walking down from
-        # those finds the consumers that a walk from the first node misses.
-        starts, step.saved_nodes = step.saved_nodes, []
-        hooked = self._relief.attach(edges, root, starts, self.plan.junction_partials())
-        if hooked != len(edges):
-            log.info(
-                "[LMS] %d of the plan's %d gradient junctions are not junctions of as many "
-                "partial gradients at run time; autograd sums those as usual",
-                len(edges) - hooked,
-                len(edges),
-            )
 
     # -- report ----------------------------------------------------------------------------
     def _log_step(self, step: Step) -> None:

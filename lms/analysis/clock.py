@@ -1,0 +1,307 @@
+"""The clock of a simulated step: when each op runs, when each copy moves, what the step waits for.
+
+Pure, like the simulator that reads it. Ops run one after another. Copies out (device to host,
+or to disk through host memory) and copies in run on one channel per direction, overlapping
+compute; an op that needs a tensor still on its way in waits for it, and a recomputed storage is
+made again, its inputs first, just before its first use in backward.
+"""
+
+from __future__ import annotations
+
+from lms.analysis.devices import DeviceSpec
+from lms.analysis.recompute import Recipe, recipes
+from lms.analysis.records import JunctionRecord, Trace
+from lms.plan import Plan
+from lms.runtime import policy
+
+__all__ = ["Clock", "allowance", "relieved_junctions"]
+
+
+def allowance(trace: Trace, budget_bytes: int) -> int:
+    """The runtime's allowance for saved bytes: see `lms.LMS`."""
+    first_save = min((e.op for e in trace.events if e.offloadable), default=0)
+    baseline = sum(
+        s.nbytes
+        for s in trace.storages
+        if s.alloc_op < first_save and (s.free_op is None or s.free_op >= first_save)
+    )
+    largest = max((size for _, size, _ in trace.entries()), default=0)
+    return budget_bytes - baseline - policy.reserve_bytes(largest)
+
+
+def relieved_junctions(trace: Trace, plan: Plan | None) -> dict[int, JunctionRecord]:
+    """The plan's relieved junctions that the trace saw as the plan counts them, by ordinal;
+    each storage in one only."""
+    if plan is None or not plan.stash:
+        return {}
+    known = trace.junction_ordinals()
+    counts = plan.junction_partials()
+    chosen: dict[int, JunctionRecord] = {}
+    used: set[int] = set()
+    for ordinal in sorted(plan.stash):
+        junction = known.get(ordinal)
+        if junction is None or junction.partials != counts[ordinal] or junction.sums & used:
+            continue
+        used |= junction.sums
+        chosen[ordinal] = junction
+    return chosen
+
+
+def _by_op(pairs: list[tuple[int, int]]) -> dict[int, list[int]]:
+    """``(op, ordinal)`` pairs grouped by op, each group in the pairs' order."""
+    grouped: dict[int, list[int]] = {}
+    for op, ordinal in pairs:
+        grouped.setdefault(op, []).append(ordinal)
+    return grouped
+
+
+class Clock:
+    """One pass over the ops of ``trace`` under ``plan`` on ``spec``, each op taking ``seconds``.
+
+    Its attributes are the pass's times, in seconds from the step's start: ``start`` and
+    ``done_at`` of each op; ``out_start``/``out_done`` of each copy out, ``in_issue``/``in_done``
+    of each copy in, ``reload_start`` of each read per use, ``recompute_start``/``recompute_end``
+    of each replay, ``taken``/``rejoined`` of relieved partial gradients; ``end_s``, ``wait_s``
+    and ``recompute_s`` of the step.
+    """
+
+    def __init__(self, trace: Trace, plan: Plan | None, spec: DeviceSpec, seconds: list[float]):
+        self.trace = trace
+        self.seconds = seconds
+        self.entries = entries = trace.entries()
+        self.offload = set(plan.offload) if plan is not None else set()
+        self.sync_out = plan is not None and plan.sync_mode in (1, 3)
+        # Spilled entries go through host memory to disk and back, as the runtime moves them: a
+        # blocking copy to the host, a background write; a background read, a blocking copy in.
+        self.spill = set(plan.spill) if plan is not None else set()
+        self.storage_of = {i: entries[i][0] for i in self.offload}
+        self.first_use = trace.first_use_op()
+        # Entries read back per use: each later use loads the copy again, on demand.
+        use_ops = trace.use_ops()
+        self.later_uses = {
+            i: use_ops[self.storage_of[i]][1:]
+            for i in (plan.refetch if plan is not None else ())
+            if len(use_ops.get(self.storage_of[i], ())) > 1
+        }
+        self.reload_start: dict[int, list[float]] = {i: [] for i in self.later_uses}
+        self.recompute = set(plan.recompute) if plan is not None else set()
+        self.chosen: dict[int, Recipe] = recipes(trace) if self.recompute else {}
+        self.relieved = relieved_junctions(trace, plan)
+        self.allowance = (
+            allowance(trace, plan.budget_bytes)
+            if plan is not None and plan.budget_bytes is not None
+            else None
+        )
+        self.d2h_bw = spec.d2h_gbps * 1e9
+        self.h2d_bw = spec.h2d_gbps * 1e9
+        self.write_bw = spec.disk_write_gbps * 1e9
+        self.read_bw = spec.disk_read_gbps * 1e9
+        self.start = [0.0] * (len(trace.ops) + 1)
+        self.done_at = [0.0] * len(trace.ops)
+        self.out_start: dict[int, float] = {}
+        self.out_done: dict[int, float] = {}
+        self.in_issue: dict[int, float] = {}
+        self.in_done: dict[int, float] = {}
+        self.written: dict[int, float] = {}  # when a spill file's write ends
+        self.recompute_start: dict[int, float] = {}
+        self.recompute_end: dict[int, float] = {}
+        self.taken: dict[tuple[int, int], tuple[float, float]] = {}  # copy out: start, done
+        self.rejoined: dict[int, tuple[float, float]] = {}  # copies in: start, done
+        self.d2h_free = self.h2d_free = self.disk_free = 0.0
+        self.now = self.wait_s = self.recompute_s = 0.0
+        self._run(plan.swapin_ahead if plan is not None else 2, plan)
+        self.end_s = self.now
+
+    def _schedule(self, ahead: int, sync_in: bool) -> None:
+        """When each offloaded entry goes out, starts back (``ahead`` uses early) and is needed;
+        when each recomputed entry is made again."""
+        entries, first_use, storage_of = self.entries, self.first_use, self.storage_of
+        self.reloads_at = _by_op(
+            [(op, ordinal) for ordinal, ops in self.later_uses.items() for op in ops]
+        )
+        unknown = sorted(self.recompute - set(self.chosen))
+        if unknown or self.recompute & self.offload:
+            raise ValueError(
+                f"lms: plan recomputes ordinals {unknown or sorted(self.recompute & self.offload)}"
+                " that have no recipe or are also offloaded"
+            )
+        remakes: list[tuple[int, int]] = []
+        for ordinal in self.recompute:
+            recipe = self.chosen[ordinal]
+            if any(i in self.recompute and i not in recipe.chainable for i in recipe.inputs):
+                raise ValueError(
+                    f"lms: plan recomputes ordinal {ordinal} from a recomputed one that backward "
+                    "reads before it"
+                )
+            use_op = first_use.get(entries[ordinal][0])
+            if use_op is not None:
+                remakes.append((use_op, ordinal))
+        self.recompute_at = _by_op(remakes)
+        self.takes_at: dict[int, list[tuple[int, int]]] = {}
+        for ordinal, junction in self.relieved.items():
+            for k, arrive_op in enumerate(junction.arrive_ops[: junction.taken]):
+                self.takes_at.setdefault(arrive_op, []).append((ordinal, k))
+        self.joins_at = _by_op([(j.join_op, ordinal) for ordinal, j in self.relieved.items()])
+        # Prefetch triggers: the use of the offloaded entry `ahead` places earlier in use order.
+        used = sorted(
+            (first_use[storage_of[i]], i) for i in self.offload if storage_of[i] in first_use
+        )
+        first_backward_use = min(first_use.values(), default=self.trace.backward_start_op)
+        issue_op: dict[int, int] = {}
+        for rank, (use_op, ordinal) in enumerate(used):
+            if sync_in:
+                issue_op[ordinal] = use_op
+            elif rank >= ahead:
+                issue_op[ordinal] = used[rank - ahead][0]
+            else:
+                issue_op[ordinal] = first_backward_use
+        saves, issues, needs = [], [], []
+        for ordinal in self.offload:
+            saves.append((entries[ordinal][2], ordinal))
+            if ordinal in issue_op:
+                issues.append((issue_op[ordinal], ordinal))
+                needs.append((first_use[storage_of[ordinal]], ordinal))
+        self.saves_at, self.issues_at, self.needs_at = _by_op(saves), _by_op(issues), _by_op(needs)
+
+    def _run(self, ahead: int, plan: Plan | None) -> None:
+        self._schedule(ahead, plan is not None and plan.sync_mode in (2, 3))
+        kept_at: dict[int, int] = {}
+        for ordinal, (_, size, save_op) in enumerate(self.entries):
+            if ordinal not in self.offload and ordinal not in self.recompute:
+                kept_at[save_op] = kept_at.get(save_op, 0) + size
+        kept = 0
+        pending: list[tuple[float, int]] = []
+        for index in range(len(self.trace.ops) + 1):
+            if index < self.trace.backward_start_op:
+                kept += kept_at.get(index, 0)
+            for ordinal in self.saves_at.get(index, ()):
+                pending = self._save(ordinal, kept, pending)
+            for ordinal, k in self.takes_at.get(index, ()):
+                self._take(ordinal, k)
+            for ordinal in self.issues_at.get(index, ()):
+                if ordinal not in self.in_done:
+                    self._load(ordinal)
+            for ordinal in self.recompute_at.get(index, ()):
+                self._remake(ordinal)
+            for ordinal in self.needs_at.get(index, ()):
+                self._arrive(ordinal)
+            for ordinal in self.reloads_at.get(index, ()):
+                self._reload(ordinal)
+            for ordinal in self.joins_at.get(index, ()):
+                self._join(ordinal)
+            self.start[index] = self.now
+            if index < len(self.trace.ops):
+                self.now += self.seconds[index]
+                self.done_at[index] = self.now
+
+    def _wait_until(self, time_s: float) -> None:
+        if time_s > self.now:
+            self.wait_s += time_s - self.now
+            self.now = time_s
+
+    def _block(self, seconds: float) -> None:
+        """A copy the step waits for from now on."""
+        self.wait_s += seconds
+        self.now += seconds
+
+    def _save(
+        self, ordinal: int, kept: int, pending: list[tuple[float, int]]
+    ) -> list[tuple[float, int]]:
+        """Copy ``ordinal`` out as it is saved; returns the copies out still running."""
+        size = self.entries[ordinal][1]
+        self.out_start[ordinal] = self.now
+        if ordinal in self.spill:
+            self._block(size / self.d2h_bw)
+            self.out_done[ordinal] = self.now
+            finish = max(self.now, self.disk_free) + size / self.write_bw
+            self.disk_free = self.written[ordinal] = finish
+            return pending
+        self.out_start[ordinal] = max(self.now, self.d2h_free)
+        self.d2h_free = self.out_done[ordinal] = self.out_start[ordinal] + size / self.d2h_bw
+        pending.append((self.d2h_free, size))
+        if self.sync_out:
+            self._wait_until(self.d2h_free)
+        pending = [(done, nbytes) for done, nbytes in pending if done > self.now]
+        # The runtime waits for copies out while they would hold the step over its budget.
+        while (
+            self.allowance is not None
+            and pending
+            and kept + sum(nbytes for _, nbytes in pending) > self.allowance
+        ):
+            done, _ = pending.pop(0)
+            self._wait_until(done)
+        return pending
+
+    def _take(self, ordinal: int, k: int) -> None:
+        """Copy the k-th partial gradient of a relieved junction out."""
+        begin = max(self.now, self.d2h_free)
+        self.d2h_free = begin + self.relieved[ordinal].sizes[k] / self.d2h_bw
+        self.taken[ordinal, k] = (begin, self.d2h_free)
+        if self.sync_out:  # the runtime waits for every copy out, these too
+            self._wait_until(self.d2h_free)
+
+    def _load(self, ordinal: int) -> None:
+        """Start bringing ``ordinal`` back now, after copies in already queued."""
+        size = self.entries[ordinal][1]
+        if ordinal in self.spill:
+            begin = max(self.now, self.disk_free, self.written[ordinal])
+            self.disk_free = self.in_done[ordinal] = begin + size / self.read_bw
+            return
+        self.in_issue[ordinal] = self.now
+        begin = max(self.now, self.h2d_free, self.out_done.get(ordinal, 0.0))
+        self.h2d_free = self.in_done[ordinal] = begin + size / self.h2d_bw
+
+    def _arrive(self, ordinal: int) -> None:
+        """Wait until ``ordinal`` is back on the device (a spilled one: read, then copied in)."""
+        self._wait_until(self.in_done[ordinal])
+        if ordinal in self.spill and ordinal not in self.in_issue:
+            self.in_issue[ordinal] = self.now
+            self._block(self.entries[ordinal][1] / self.h2d_bw)
+            self.in_done[ordinal] = self.now
+
+    def _remake(self, ordinal: int) -> None:
+        """Recompute ``ordinal`` now, unless a chain made it already. Its inputs must be on the
+        device: offloaded ones are loaded now if not on their way, recomputed ones made first
+        (and held until their own first use)."""
+        if ordinal in self.recompute_start:
+            return
+        for source in self.chosen[ordinal].inputs:
+            if source in self.recompute:
+                self._remake(source)
+            elif source in self.offload:
+                if source not in self.in_done:
+                    self._load(source)
+                self._arrive(source)
+        self.recompute_start[ordinal] = self.now
+        cost = sum(self.seconds[k] for k in self.chosen[ordinal].all_ops)
+        self.recompute_s += cost
+        self.now += cost
+        self.recompute_end[ordinal] = self.now
+
+    def _reload(self, ordinal: int) -> None:
+        """Read ``ordinal`` back again for a later use, on demand."""
+        size = self.entries[ordinal][1]
+        if ordinal in self.spill:  # read again and copied in
+            self.disk_free = max(self.now, self.disk_free) + size / self.read_bw
+            self.reload_start[ordinal].append(self.disk_free)
+            self._wait_until(self.disk_free + size / self.h2d_bw)
+            return
+        begin = max(self.now, self.h2d_free)
+        self.reload_start[ordinal].append(begin)
+        self.h2d_free = begin + size / self.h2d_bw
+        self._wait_until(self.h2d_free)
+
+    def _join(self, ordinal: int) -> None:
+        """Bring a relieved junction's partials back to be summed."""
+        junction = self.relieved[ordinal]
+        copied = (self.taken[ordinal, k][1] for k in range(junction.taken))
+        begin = max(self.now, self.h2d_free, *copied)
+        self.h2d_free = begin + junction.nbytes / self.h2d_bw
+        self.rejoined[ordinal] = (self.now, self.h2d_free)
+        self._wait_until(self.h2d_free)
+
+    def op_end(self, index: int | None) -> float:
+        """When the op's transient storages are freed: as soon as it finishes."""
+        if index is None or index >= len(self.done_at):
+            return self.end_s
+        return self.done_at[index]

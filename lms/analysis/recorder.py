@@ -1,0 +1,327 @@
+"""What `lms.analysis.trace.trace_step` watches a step with: a dispatch mode that records each
+aten op, storage and saved-tensor event, and the gradient junctions backward meets."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lms.analysis.records import JunctionRecord, OpRecord, SavedEvent, StorageRecord
+from lms.runtime import junctions
+
+__all__ = ["Recorder"]
+
+_SKIP_OPS = {"aten.detach.default", "aten.alias.default", "prim.device.default"}
+
+
+class Recorder(TorchDispatchMode):
+    """Records every aten op, storage allocation and free, and saved-tensor event."""
+
+    def __init__(self, tracker: ModTracker, min_offload_bytes: int):
+        super().__init__()
+        self.tracker = tracker
+        self.min_offload_bytes = min_offload_bytes
+        self.ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.refs: dict[int, weakref.ref[Any]] = {}
+        self.nbytes: list[int] = []
+        self.kind: list[str] = []
+        self.alloc_op: list[int] = []
+        self.free_op: list[int | None] = []
+        self.last_forward: list[int] = []
+        self.writer: dict[int, int] = {}
+        self.ops: list[OpRecord] = []
+        self.op_level: list[int] = []
+        self.edges = 0
+        self.events: list[SavedEvent] = []
+        self.level = 0
+        self.fixed: set[int] = set()
+        self.seen_backward = False
+        self.names: dict[int, str] = {}
+        self.stack: list[str] = []
+        self.marks: list[int] = []  # the last autograd node number before each module ran
+        self.edge_of: dict[int, junctions.Edge] = {}  # storage: edge when first saved
+        self.walked = False
+        self.forward_nodes = _ForwardNodes()
+        self.saved_nodes: list[Any] = []  # grad_fn of each tensor forward saved
+        self.arrivals: dict[int, list[tuple[int, int, int]]] = {}
+        self.joined: list[JunctionRecord] = []
+        self.meeting: dict[Any, int] = {}  # junction: how many partials meet there
+
+    # -- modules -----------------------------------------------------------------------------
+    def name_modules(self, model: torch.nn.Module) -> None:
+        root = type(model).__name__
+        for name, module in model.named_modules():
+            self.names[id(module)] = f"{root}.{name}" if name else root
+
+    def enter_module(self, module: torch.nn.Module, args: Any) -> None:
+        self.stack.append(self.names.get(id(module), type(module).__name__))
+        self.marks.append(max(map(_sequence_nr, _nodes(args)), default=-1))
+
+    def exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.stack:
+            return
+        name, mark = self.stack.pop(), self.marks.pop()
+        if self.phase() != "forward":
+            return
+        # Note: [Name backward nodes by the module that made them]
+        # Autograd numbers nodes in the order forward makes them. The nodes a module made are
+        # those behind its outputs numbered after every node behind its inputs; inner modules
+        # exit first and claim theirs. Backward then names an op by the node that runs it,
+        # where module hooks cannot see a module whose inputs need no gradient (an embedding).
+        todo = [node for node in _nodes(output) if _sequence_nr(node) > mark]
+        while todo:
+            node = todo.pop()
+            if "lms_module" in node.metadata:
+                continue
+            node.metadata["lms_module"] = name
+            for after, _ in node.next_functions:
+                if after is not None and mark < _sequence_nr(after) < _NO_NUMBER:
+                    todo.append(after)
+
+    def module(self, phase: str) -> str:
+        if phase == "forward":
+            return self.stack[-1] if self.stack else "Global"
+        node: Any = torch._C._current_autograd_node()
+        if node is not None and "lms_module" in node.metadata:
+            return str(node.metadata["lms_module"])
+        parents = self.tracker.parents
+        return max(parents, key=len) if parents else "Global"
+
+    # -- storages ----------------------------------------------------------------------------
+    def storage_id(self, tensor: torch.Tensor, kind: str = "activation") -> tuple[int, bool]:
+        storage = tensor.untyped_storage()
+        known = self.ids.get(storage)
+        if known is not None:
+            return known, False
+        sid = len(self.nbytes)
+        self.ids[storage] = sid
+        self.refs[sid] = weakref.ref(storage, self._freed(sid))
+        self.nbytes.append(storage.nbytes())
+        self.kind.append(kind)
+        self.alloc_op.append(len(self.ops) if kind == "activation" else -1)
+        self.free_op.append(None)
+        self.last_forward.append(-1)
+        return sid, True
+
+    def _freed(self, sid: int) -> Callable[[Any], None]:
+        def callback(_: Any) -> None:
+            self.free_op[sid] = max(len(self.ops) - 1, self.alloc_op[sid])
+            self.refs.pop(sid, None)
+
+        return callback
+
+    def register(self, tensors: Iterator[torch.Tensor], kind: str) -> int:
+        total = 0
+        for tensor in tensors:
+            sid, new = self.storage_id(tensor, kind)
+            if new:
+                total += self.nbytes[sid]
+            if kind in ("param", "buffer"):
+                self.fixed.add(sid)
+        return total
+
+    # -- ops ---------------------------------------------------------------------------------
+    def phase(self) -> str:
+        if torch._C._current_graph_task_id() != -1:
+            self.seen_backward = True
+            return "backward"
+        return "optimizer" if self.seen_backward else "forward"
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = str(func)
+        if name in _SKIP_OPS:
+            return out
+        index = len(self.ops)
+        phase = self.phase()
+        inputs: dict[int, int] = {}
+        for arg in tree_flatten((args, kwargs))[0]:
+            if isinstance(arg, torch.Tensor):
+                sid, _ = self.storage_id(arg)
+                inputs[sid] = self.nbytes[sid]
+        outputs: dict[int, int] = {}
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                sid, new = self.storage_id(value)
+                if new or sid in inputs and _writes_inplace(func):
+                    outputs[sid] = self.nbytes[sid]
+        level = 1
+        for sid in inputs:
+            producer = self.writer.get(sid)
+            if producer is not None:
+                self.edges += 1
+                level = max(level, self.op_level[producer] + 1)
+        for sid in outputs:
+            self.writer[sid] = index
+        if phase == "forward":
+            for sid in list(inputs) + list(outputs):
+                self.last_forward[sid] = index
+        flops = 0
+        counter = flop_registry.get(func._overloadpacket)
+        if counter is not None:
+            try:
+                flops = int(counter(*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not take this overload's arguments
+                flops = 0
+        module = self.module(phase)
+        self.ops.append(
+            OpRecord(
+                index=index,
+                name=name,
+                module=module,
+                phase=phase,  # type: ignore[arg-type]
+                flops=flops,
+                read_bytes=sum(inputs.values()),
+                written_bytes=sum(outputs.values()),
+                inputs=tuple(inputs),
+                outputs=tuple(outputs),
+            )
+        )
+        self.op_level.append(level)
+        return out
+
+    # -- saved tensors -----------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.level += 1
+        if not self.walked and tensor.grad_fn is not None:
+            self.saved_nodes.append(tensor.grad_fn)
+        sid, _ = self.storage_id(tensor)
+        base = tensor if tensor._base is None else tensor._base
+        offloadable = not (
+            sid in self.fixed
+            or (base.is_leaf and base.requires_grad)  # a parameter, or a view of one
+            or self.nbytes[sid] < max(self.min_offload_bytes, 1)
+        )
+        self.events.append(
+            SavedEvent(self.level, len(self.ops), "save", sid, self.nbytes[sid], offloadable)
+        )
+        edge = junctions.edge_of(tensor) if offloadable and sid not in self.edge_of else None
+        if edge is not None:
+            self.edge_of[sid] = edge
+        return tensor
+
+    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.walked and torch._C._current_graph_task_id() != -1:
+            self.walked = True
+            root = torch._C._current_autograd_node()
+            edges: dict[junctions.Edge, int] = {}
+            for sid, edge in self.edge_of.items():
+                edges.setdefault(edge, sid)
+            consumers = junctions.fan_in(root, *self.forward_nodes.nodes)
+            # The runtime cannot keep every forward node; it walks down from the saved tensors'
+            # nodes and hooks only what it counts there. A junction it would miss is left out.
+            seen = junctions.fan_in(root, *self.saved_nodes)
+            self.forward_nodes.nodes.clear()
+            self.saved_nodes.clear()
+            visible = {
+                edge: key
+                for edge, key in edges.items()
+                if len(seen.get(edge, ())) == len(consumers.get(edge, ()))
+            }
+            self.meeting = junctions.attach(
+                visible, root, self.arrive, self.join, consumers=consumers
+            )
+        self.level += 1
+        sid, _ = self.storage_id(tensor)
+        saved = next(e for e in reversed(self.events) if e.storage == sid and e.kind == "save")
+        self.events.append(
+            SavedEvent(self.level, len(self.ops), "use", sid, self.nbytes[sid], saved.offloadable)
+        )
+        return tensor
+
+    # -- gradient junctions: watched, left as the engine does them ---------------------------
+    def arrive(self, key: Any, partial: torch.Tensor, last: bool) -> torch.Tensor:
+        sid, _ = self.storage_id(partial)
+        self.arrivals.setdefault(key, []).append((sid, self.nbytes[sid], len(self.ops)))
+        return partial
+
+    def join(self, key: Any, rest: torch.Tensor | None) -> None:
+        arrived = self.arrivals.pop(key, [])
+        if len(arrived) != self.meeting.get(key) or rest is None:
+            return None  # a consumer that never ran: the runtime would take the last partial
+        grads, sizes, arrive_ops = zip(*arrived, strict=True)
+        merged, _ = self.storage_id(rest)
+        # After the first, each partial is added to the others by the op right after it.
+        made = [
+            out
+            for grad, index in zip(grads[1:], arrive_ops[1:], strict=True)
+            if index < len(self.ops) and grad in self.ops[index].inputs
+            for out in self.ops[index].outputs
+        ]
+        self.joined.append(
+            JunctionRecord(
+                key,
+                grads,
+                sizes,
+                arrive_ops,
+                len(self.ops),
+                merged,
+                tuple(sorted(set(made))),
+                junctions.partials_taken(len(grads)),
+            )
+        )
+        return None
+
+    # -- result ------------------------------------------------------------------------------
+    def storage_records(self, gradients: set[int], states: set[int]) -> list[StorageRecord]:
+        """Every storage seen, by id; those in ``gradients`` and ``states`` named so."""
+        storages = []
+        for sid, nbytes in enumerate(self.nbytes):
+            kind = self.kind[sid]
+            if sid in gradients:
+                kind = "gradient"
+            elif sid in states:
+                kind = "state"
+            storages.append(
+                StorageRecord(
+                    id=sid,
+                    nbytes=nbytes,
+                    kind=kind,  # type: ignore[arg-type]
+                    alloc_op=self.alloc_op[sid],
+                    free_op=self.free_op[sid],
+                    last_forward_op=self.last_forward[sid],
+                )
+            )
+        return storages
+
+
+class _ForwardNodes(TorchFunctionMode):
+    """Every autograd node forward makes: the ``grad_fn`` of each op's outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nodes: list[Any] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        out = func(*args, **(kwargs or {}))
+        if torch._C._current_graph_task_id() == -1:
+            self.nodes.extend(_nodes(out))
+        return out
+
+
+_NO_NUMBER = 2**63  # AccumulateGrad and other nodes outside forward's numbering
+
+
+def _sequence_nr(node: Any) -> int:
+    return int(node._sequence_nr())
+
+
+def _nodes(value: Any) -> list[Any]:
+    """The autograd nodes that made the tensors in ``value``."""
+    leaves = tree_flatten(value)[0]
+    return [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+
+
+def _writes_inplace(func: Any) -> bool:
+    schema = func._schema
+    return any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)

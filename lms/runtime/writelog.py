@@ -1,0 +1,287 @@
+"""Forward's history of writes, from which the runtime makes recipes for saved storages.
+
+While a plan recomputes anything, `WriteLog` (a dispatch mode) watches forward: for each storage
+that a recomputable op (`lms.analysis.recompute.RECOMPUTABLE_OPS`) allocates, it keeps the calls
+that wrote it. When autograd saves such a storage, the session turns that history into a `Recipe`
+whose tensor arguments are the storage itself, parameters and buffers, other saved entries, or
+storages autograd did not save, made again by recipes of their own (Note [Remake what was never
+saved], `lms.analysis.recompute`). `lms.runtime.recompute` replays it in backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lms.analysis.recompute import RECOMPUTABLE_OPS
+
+__all__ = ["WriteLog", "Call", "Recipe", "Slot"]
+
+
+@dataclasses.dataclass
+class _Arg:
+    """A tensor argument as forward passed it."""
+
+    storage: weakref.ref[torch.UntypedStorage]
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    fixed: torch.Tensor | None
+    """The tensor itself when it is a parameter or buffer (held: it outlives the step), or a
+    tensor too small to offload (autocast's copy of a weight): held by the recipe."""
+    version: int
+    written: bool
+    entry: Any
+    """The saved entry holding its storage when the call ran, if autograd had saved it by then."""
+    ptr: int
+    """Its storage's address when the call ran."""
+    made: _Made | None = None
+    """How forward had made its storage by then, where recomputable ops alone wrote it (Note
+    [Remake what was never saved])."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Made:
+    """The history of a storage as a later call found it."""
+
+    ptr: int
+    nbytes: int
+    calls: tuple[_Written, ...]
+
+
+@dataclasses.dataclass
+class _Written:
+    """One forward call that wrote a storage."""
+
+    func: Any
+    leaves: list[Any]
+    spec: Any
+
+
+@dataclasses.dataclass
+class Slot:
+    """A tensor argument of a recipe call: a view of the target, of an entry, or a fixed tensor."""
+
+    kind: str  # "self", "entry", "fixed" or "made"
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    entry: Any = None
+    fixed: torch.Tensor | None = None
+    version: int = 0
+    written: bool = False
+    made: Recipe | None = None
+    """For "made": the recipe of a storage autograd did not save, replayed first."""
+
+
+@dataclasses.dataclass
+class Call:
+    func: Any
+    leaves: list[Any]
+    """Arguments flattened; tensors replaced by `Slot`s."""
+    spec: Any
+
+
+@dataclasses.dataclass
+class Recipe:
+    """How to make one saved storage again."""
+
+    calls: list[Call]
+    inputs: list[Any]
+    """The entries it reads (the session holds a handle on each while the recipe lives)."""
+    nbytes: int
+    checksum: torch.Tensor | None = None
+    """Of the bytes forward made, where the first replay is to be checked against them."""
+
+
+_UNDECLARED_WRITES = {
+    # Note: [Running statistics are written]
+    # These kernels update the running mean and variance in place in training mode, but their
+    # schemas do not mark those arguments as written. A replay must write copies of them, not
+    # the buffers themselves, or each replay applies the momentum again.
+    "aten.native_batch_norm.default": (3, 4),
+    "aten.cudnn_batch_norm.default": (3, 4),
+}
+
+
+def _written_positions(func: Any, num_args: int) -> set[int]:
+    declared = {
+        i
+        for i, arg in enumerate(func._schema.arguments[:num_args])
+        if arg.alias_info is not None and arg.alias_info.is_write
+    }
+    return declared | {i for i in _UNDECLARED_WRITES.get(str(func), ()) if i < num_args}
+
+
+class WriteLog(TorchDispatchMode):
+    """Forward's history of writes into storages that recomputable ops allocated."""
+
+    def __init__(
+        self,
+        fixed_ptrs: set[int],
+        entry_of: Callable[[torch.UntypedStorage], Any],
+        small_bytes: int = 0,
+    ):
+        super().__init__()
+        self.fixed_ptrs = fixed_ptrs
+        self.entry_of = entry_of
+        self.small_bytes = small_bytes
+        """Arguments whose storage is smaller than this (never offloaded) are held as they are."""
+        self.histories: dict[int, tuple[weakref.ref[torch.UntypedStorage], list[_Written]]] = {}
+        self.unsaved: dict[int, list[_Arg]] = {}
+        """Arguments read before autograd saved their storage, by its address (`saved`)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if torch._C._current_graph_task_id() != -1:  # backward: nothing to learn
+            return out
+        leaves, spec = tree_flatten((args, kwargs))
+        read = {
+            leaf.untyped_storage().data_ptr()
+            for leaf in leaves
+            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"
+        }
+        written = _written_positions(func, len(args))
+        first = out if isinstance(out, torch.Tensor) else None
+        if first is None and isinstance(out, (tuple, list)) and out:
+            first = out[0] if isinstance(out[0], torch.Tensor) else None
+        if str(func) in RECOMPUTABLE_OPS and first is not None:
+            storage = first.untyped_storage()
+            ptr = storage.data_ptr()
+            call = _Written(
+                func, [self._arg(leaf, i in written) for i, leaf in enumerate(leaves)], spec
+            )
+            if ptr in read:  # in place: extends the history of what it writes
+                known = self.histories.get(ptr)
+                if known is not None and known[0]() is storage:
+                    known[1].append(call)
+                return out
+            self.histories[ptr] = (weakref.ref(storage), [call])
+            return out
+        # Anything else that writes a storage ends its history.
+        for position in written:
+            if position < len(leaves) and isinstance(leaves[position], torch.Tensor):
+                self.histories.pop(leaves[position].untyped_storage().data_ptr(), None)
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor) and value.device.type != "meta":
+                ptr = value.untyped_storage().data_ptr()
+                if ptr not in read:
+                    self.histories.pop(ptr, None)
+        return out
+
+    def _arg(self, leaf: Any, written: bool) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        storage = leaf.untyped_storage()
+        ptr = storage.data_ptr()
+        fixed = ptr in self.fixed_ptrs or (storage.nbytes() < self.small_bytes and not written)
+        made = None
+        known = self.histories.get(ptr) if not (fixed or written) else None
+        if known is not None and known[0]() is storage:
+            made = _Made(ptr, storage.nbytes(), tuple(known[1]))
+        arg = _Arg(
+            storage=weakref.ref(storage),
+            size=leaf.size(),
+            stride=leaf.stride(),
+            offset=int(leaf.storage_offset()),
+            dtype=leaf.dtype,
+            fixed=leaf if fixed else None,
+            version=leaf._version,
+            written=written,
+            # Note: [Name a recipe's inputs by entry]
+            # An offloaded input's device storage may be freed before the tensor that reads it
+            # is saved, so its entry is looked up now, while the storage is certainly alive,
+            # or, where autograd saves it only after this call (BatchNorm saves its input once
+            # its kernel has run), given to it when it is saved (`saved`).
+            entry=None if fixed else self.entry_of(storage),
+            ptr=ptr,
+            made=made,
+        )
+        if not fixed and arg.entry is None and ptr != 0:
+            self.unsaved.setdefault(ptr, []).append(arg)
+        return arg
+
+    def saved(self, storage: torch.UntypedStorage, entry: Any) -> None:
+        """Autograd saved ``storage`` as ``entry``: name it in the arguments that read it
+        (Note [Name a recipe's inputs by entry])."""
+        for arg in self.unsaved.pop(storage.data_ptr(), ()):
+            if arg.storage() is storage:
+                arg.entry = entry
+
+    def _entry(self, leaf: _Arg, storage: torch.UntypedStorage | None) -> Any:
+        if leaf.entry is not None and not leaf.entry.released:
+            return leaf.entry
+        return self.entry_of(storage) if storage is not None else None
+
+    def recipe(self, storage: torch.UntypedStorage, entry: Any = None) -> Recipe | None:
+        """The recipe for ``storage`` (saved as ``entry``), or None when some argument cannot be
+        had in backward."""
+        ptr = storage.data_ptr()
+        known = self.histories.get(ptr)
+        if known is None or known[0]() is not storage:
+            return None
+        inputs: list[Any] = []
+        calls = self._calls(_Made(ptr, storage.nbytes(), tuple(known[1])), inputs, {}, entry)
+        return None if calls is None else Recipe(calls, inputs, storage.nbytes())
+
+    def _calls(
+        self,
+        made: _Made,
+        inputs: list[Any],
+        remade: dict[tuple[int, int], Recipe],
+        target: Any,
+    ) -> list[Call] | None:
+        """The calls that make ``made``'s storage again, its entries added to ``inputs``;
+        ``remade``: recipes of storages autograd did not save, built once per recipe;
+        ``target``: the entry the whole recipe makes, which none of them may read (an
+        address cannot tell: a storage freed early may have had the target's address)."""
+        calls: list[Call] = []
+        for written in made.calls:
+            leaves: list[Any] = []
+            for leaf in written.leaves:
+                if not isinstance(leaf, _Arg):
+                    leaves.append(leaf)
+                    continue
+                geometry = (leaf.size, leaf.stride, leaf.offset, leaf.dtype)
+                if leaf.ptr == made.ptr and made.ptr != 0:
+                    # Only it had that address while its history ran.
+                    leaves.append(Slot("self", *geometry))
+                elif leaf.fixed is not None:
+                    if leaf.fixed._version != leaf.version and not leaf.written:
+                        return None  # changed in place since the call read it
+                    leaves.append(
+                        Slot(
+                            "fixed",
+                            *geometry,
+                            fixed=leaf.fixed,
+                            version=leaf.fixed._version,
+                            written=leaf.written,
+                        )
+                    )
+                elif (entry := self._entry(leaf, leaf.storage())) is not None:
+                    if entry is target:
+                        return None  # a replay that would need itself
+                    leaves.append(Slot("entry", *geometry, entry=entry))
+                    if all(entry is not other for other in inputs):
+                        inputs.append(entry)
+                elif leaf.made is not None:
+                    key = (id(leaf.made.calls[0]), len(leaf.made.calls))
+                    if key not in remade:
+                        sub = self._calls(leaf.made, inputs, remade, target)
+                        if sub is None:
+                            return None
+                        remade[key] = Recipe(sub, [], leaf.made.nbytes)
+                    leaves.append(Slot("made", *geometry, made=remade[key]))
+                else:
+                    return None
+            calls.append(Call(written.func, leaves, written.spec))
+        return calls

@@ -327,14 +327,15 @@ class LMS:
         """Drop ``entry``'s storage now and recompute it in backward, if the plan says so."""
         if not self._replays.watching or not self._follow.recomputes(step, entry):
             return False
-        if not self._replays.take(entry, storage, check=self._replays.checked is not self.plan):
+        if self._replays.take(entry, storage, check=self._replays.checked is not self.plan):
+            return True
+        if entry.ordinal not in self._replays.unreplayable:  # those were warned about
             log.info(
                 "[LMS] saved storage %d has no recipe at run time; offloading it instead",
                 entry.ordinal,
             )
-            self._follow.offload_instead(step, entry)
-            return False
-        return True
+        self._follow.offload_instead(step, entry)
+        return False
 
     def _entry_of(self, storage: torch.UntypedStorage) -> Entry | None:
         """The live entry that saved ``storage`` in this step, if any."""

@@ -19,14 +19,17 @@ __all__ = ["Clock", "allowance", "relieved_junctions"]
 
 def allowance(trace: Trace, budget_bytes: int) -> int:
     """The runtime's allowance for saved bytes: see `lms.LMS`."""
-    first_save = min((e.op for e in trace.events if e.offloadable), default=0)
-    baseline = sum(
-        s.nbytes
-        for s in trace.storages
-        if s.alloc_op < first_save and (s.free_op is None or s.free_op >= first_save)
-    )
-    largest = max((size for _, size, _ in trace.entries()), default=0)
-    return budget_bytes - baseline - policy.reserve_bytes(largest)
+    known = trace.memo.get("allowance")
+    if known is None:
+        first_save = min((e.op for e in trace.events if e.offloadable), default=0)
+        baseline = sum(
+            s.nbytes
+            for s in trace.storages
+            if s.alloc_op < first_save and (s.free_op is None or s.free_op >= first_save)
+        )
+        largest = max((size for _, size, _ in trace.entries()), default=0)
+        known = trace.memo["allowance"] = (baseline, policy.reserve_bytes(largest))
+    return budget_bytes - known[0] - known[1]
 
 
 def relieved_junctions(trace: Trace, plan: Plan | None) -> dict[int, JunctionRecord]:
@@ -171,7 +174,25 @@ class Clock:
                 kept_at[save_op] = kept_at.get(save_op, 0) + size
         kept = 0
         pending: list[tuple[float, int]] = []
-        for index in range(len(self.trace.ops) + 1):
+        busy = {
+            *kept_at,
+            *self.saves_at,
+            *self.takes_at,
+            *self.issues_at,
+            *self.recompute_at,
+            *self.needs_at,
+            *self.reloads_at,
+            *self.joins_at,
+        }
+        seconds, start, done_at = self.seconds, self.start, self.done_at
+        num_ops = len(self.trace.ops)
+        for index in range(num_ops + 1):
+            if index not in busy:  # the op alone
+                start[index] = self.now
+                if index < num_ops:
+                    self.now += seconds[index]
+                    done_at[index] = self.now
+                continue
             if index < self.trace.backward_start_op:
                 kept += kept_at.get(index, 0)
             for ordinal in self.saves_at.get(index, ()):
@@ -189,10 +210,10 @@ class Clock:
                 self._reload(ordinal)
             for ordinal in self.joins_at.get(index, ()):
                 self._join(ordinal)
-            self.start[index] = self.now
-            if index < len(self.trace.ops):
-                self.now += self.seconds[index]
-                self.done_at[index] = self.now
+            start[index] = self.now
+            if index < num_ops:
+                self.now += seconds[index]
+                done_at[index] = self.now
 
     def _wait_until(self, time_s: float) -> None:
         if time_s > self.now:

@@ -7,6 +7,7 @@ allocated by op ``a`` and freed after op ``f`` occupies memory while ops ``a..f`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from typing import Any, Literal
@@ -146,17 +147,40 @@ class Trace:
         """The op with the largest working set (inputs + outputs)."""
         return max(self.ops, key=lambda op: op.working_set_bytes)
 
+    # Note: [A trace derives once]
+    # A planner simulates one trace thousands of times; what each simulation derives from the
+    # trace alone is derived once, kept on the (frozen) trace, and handed out as a copy.
+    @functools.cached_property
+    def _entries(self) -> tuple[tuple[int, int, int], ...]:
+        seen: dict[int, tuple[int, int, int]] = {}
+        for event in self.events:
+            if event.kind == "save" and event.offloadable and event.storage not in seen:
+                seen[event.storage] = (event.storage, event.nbytes, event.op)
+        return tuple(seen.values())
+
+    @functools.cached_property
+    def _uses(self) -> dict[int, tuple[int, ...]]:
+        uses: dict[int, list[int]] = {}
+        for event in self.events:
+            if event.kind == "use":
+                ops = uses.setdefault(event.storage, [])
+                if not ops or ops[-1] != event.op:
+                    ops.append(event.op)
+        return {storage: tuple(ops) for storage, ops in uses.items()}
+
+    @functools.cached_property
+    def memo(self) -> dict[Any, Any]:
+        """Values later stages derive from this trace alone, by key (Note [A trace derives
+        once]); not part of the record."""
+        return {}
+
     def entries(self) -> list[tuple[int, int, int]]:
         """Offloadable saved storages in first-save order, as ``(storage, nbytes, save_op)``.
 
         Their positions are the ordinals the runtime gives the same storages, so a plan can
         name tensors by them.
         """
-        seen: dict[int, tuple[int, int, int]] = {}
-        for event in self.events:
-            if event.kind == "save" and event.offloadable and event.storage not in seen:
-                seen[event.storage] = (event.storage, event.nbytes, event.op)
-        return list(seen.values())
+        return list(self._entries)
 
     def junction_ordinals(self) -> dict[int, JunctionRecord]:
         """The junctions by the ordinal of their saved entry."""
@@ -165,21 +189,11 @@ class Trace:
 
     def first_use_op(self) -> dict[int, int]:
         """For each saved storage, the op index of its first read in backward."""
-        uses: dict[int, int] = {}
-        for event in self.events:
-            if event.kind == "use":
-                uses.setdefault(event.storage, event.op)
-        return uses
+        return {storage: ops[0] for storage, ops in self._uses.items()}
 
     def use_ops(self) -> dict[int, list[int]]:
         """For each saved storage, the distinct op indices at which backward reads it, in order."""
-        uses: dict[int, list[int]] = {}
-        for event in self.events:
-            if event.kind == "use":
-                ops = uses.setdefault(event.storage, [])
-                if not ops or ops[-1] != event.op:
-                    ops.append(event.op)
-        return uses
+        return {storage: list(ops) for storage, ops in self._uses.items()}
 
     def fingerprint(self) -> str:
         """A short hash of the step's shape: op names, sizes and saved-tensor events."""

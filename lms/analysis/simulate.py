@@ -10,8 +10,12 @@ allocator's block size, plus the device's workspace margin.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
 
 from lms.analysis.clock import Clock, allowance
 from lms.analysis.devices import DeviceSpec
@@ -22,9 +26,12 @@ from lms.runtime import policy
 __all__ = ["SimResult", "simulate", "runtime_plan", "Interval", "op_seconds"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Interval:
-    """A storage resident on the device from ``start_s`` to ``end_s``."""
+class Interval(NamedTuple):
+    """A storage resident on the device from ``start_s`` to ``end_s``.
+
+    A named tuple, not a dataclass: a simulation makes one or more for each storage, and a
+    planner simulates thousands of times.
+    """
 
     storage: int
     nbytes: int
@@ -95,18 +102,17 @@ class SimResult:
         return self.peak_bytes <= memory_bytes
 
 
-def _round(nbytes: int, block: int) -> int:
-    return -(-nbytes // block) * block if nbytes else 0
-
-
 def op_seconds(trace: Trace, spec: DeviceSpec, half: bool) -> list[float]:
     """Predicted seconds of each op of ``trace`` on ``spec``."""
-    rate = spec.peak_flops_half if half else spec.peak_flops
-    bandwidth = spec.memory_bandwidth_gbps * 1e9
-    return [
-        spec.op_overhead_s + max(op.flops / rate, op.working_set_bytes / bandwidth)
-        for op in trace.ops
-    ]
+    known = trace.memo.get(("op_seconds", spec, half))
+    if known is None:
+        rate = spec.peak_flops_half if half else spec.peak_flops
+        bandwidth = spec.memory_bandwidth_gbps * 1e9
+        known = trace.memo["op_seconds", spec, half] = tuple(
+            spec.op_overhead_s + max(op.flops / rate, op.working_set_bytes / bandwidth)
+            for op in trace.ops
+        )
+    return list(known)
 
 
 def runtime_plan(trace: Trace, budget_bytes: int, *, swapin_ahead: int = 2) -> Plan:
@@ -148,7 +154,7 @@ def simulate(
     times, device, host, peak_tensor = _sweep(held.intervals, held.host_spans, spec)
     peak_rounded = max(device, default=0)
     peak_time = times[device.index(peak_rounded)] if device else 0.0
-    peak_op = max((i for i, s in enumerate(clock.start[:-1]) if s <= peak_time), default=0)
+    peak_op = max(bisect.bisect_right(clock.start, peak_time, hi=len(trace.ops)) - 1, 0)
     entries = clock.entries
     return SimResult(
         peak_bytes=peak_rounded + spec.workspace_bytes,
@@ -196,15 +202,21 @@ class _Residency:
             if junction.taken > 1:  # the sum so far and the next partial, while copied in
                 loading = (junction.merged, junction.sizes[0], *clock.rejoined[ordinal])
                 self.intervals.append(Interval(*loading, "reloaded"))
+        start, done_at, end_s = clock.start, clock.done_at, clock.end_s
+        num_ops = len(done_at)
         for record in clock.trace.storages:
-            if record.id in roles:
-                self._junction(record, roles[record.id])
-            elif record.id in remade:
-                self._remade(record, remade[record.id])
-            elif record.id in moved:
-                self._moved(record, moved[record.id])
-            else:
-                self._add(record, self._begin(record), clock.op_end(record.free_op))
+            sid = record.id
+            if sid in roles:
+                self._junction(record, roles[sid])
+            elif sid in remade:
+                self._remade(record, remade[sid])
+            elif sid in moved:
+                self._moved(record, moved[sid])
+            else:  # on the device from its allocation to its free (clock.op_end, inline)
+                free = record.free_op
+                end = end_s if free is None or free >= num_ops else done_at[free]
+                begin = 0.0 if record.alloc_op < 0 else start[record.alloc_op]
+                self.intervals.append(Interval(sid, record.nbytes, begin, end, record.kind))
 
     def _begin(self, record: StorageRecord) -> float:
         return 0.0 if record.alloc_op < 0 else self.clock.start[record.alloc_op]
@@ -297,35 +309,42 @@ def _last_read(trace: Trace, junction: JunctionRecord, k: int) -> int:
 
 
 def _sweep(
-    intervals: Iterable[Interval],
-    host_spans: Iterable[tuple[float, float, int]],
+    intervals: Sequence[Interval],
+    host_spans: Sequence[tuple[float, float, int]],
     spec: DeviceSpec,
 ) -> tuple[list[float], list[int], list[int], int]:
-    """Piecewise-constant device and host bytes; frees before allocations at equal times."""
-    changes: list[tuple[float, int, int, int, int]] = []  # time, order, rounded, raw, host
-    for span in intervals:
-        rounded = _round(span.nbytes, spec.alloc_round_bytes)
-        changes.append((span.start_s, 1, rounded, span.nbytes, 0))
-        changes.append((span.end_s, 0, -rounded, -span.nbytes, 0))
-    for begin, finish, nbytes in host_spans:
-        changes.append((begin, 1, 0, 0, nbytes))
-        changes.append((finish, 0, 0, 0, -nbytes))
-    changes.sort(key=lambda c: (c[0], c[1]))
-    times: list[float] = []
-    device: list[int] = []
-    host: list[int] = []
-    rounded_total = raw_total = host_total = 0
-    peak_raw = 0
-    for time_s, _, rounded, raw, held in changes:
-        rounded_total += rounded
-        raw_total += raw
-        host_total += held
-        peak_raw = max(peak_raw, raw_total)
-        if times and times[-1] == time_s:
-            device[-1], host[-1] = rounded_total, host_total
-            continue
-        times.append(time_s)
-        device.append(rounded_total)
-        host.append(host_total)
-    # Peaks inside a group of equal times that frees before it allocates are seen above.
-    return times, device, host, peak_raw
+    """Piecewise-constant device and host bytes; frees before allocations at equal times.
+
+    Returns the times at which they change, the device bytes (rounded by the allocator's block)
+    and host bytes from each on, and the peak of device bytes unrounded.
+    """
+    if not intervals and not host_spans:
+        return [], [], [], 0
+    empty: tuple[tuple[Any, ...], ...] = ((),) * 5
+    _, nbytes, starts, ends, _ = zip(*intervals, strict=True) if intervals else empty
+    begins, finishes, held = zip(*host_spans, strict=True) if host_spans else empty[:3]
+    raw = torch.tensor(nbytes, dtype=torch.int64)
+    block = spec.alloc_round_bytes
+    rounded = -torch.div(-raw, block, rounding_mode="floor") * block
+    kept = torch.tensor(held, dtype=torch.int64)
+    none, no_spans = torch.zeros_like(raw), torch.zeros_like(kept)
+    times = torch.tensor(starts + ends + begins + finishes, dtype=torch.float64)
+    frees = torch.tensor([False, True, False, True]).repeat_interleave(
+        torch.tensor([len(raw), len(raw), len(kept), len(kept)])
+    )
+    device = torch.cat([rounded, -rounded, no_spans, no_spans])
+    unrounded = torch.cat([raw, -raw, no_spans, no_spans])
+    host = torch.cat([none, none, kept, -kept])
+    by_time = torch.argsort(frees.logical_not().to(torch.int8), stable=True)  # frees first
+    by_time = by_time[torch.argsort(times[by_time], stable=True)]
+    times = times[by_time]
+    last = torch.cat([times[1:] != times[:-1], torch.tensor([True])])  # after each time's changes
+    # Within one time, frees and then allocations: the running peak of the unrounded bytes
+    # is where the allocations have all been made, whatever their order.
+    peak = int(torch.cumsum(unrounded[by_time], 0).max())
+    return (
+        times[last].tolist(),
+        torch.cumsum(device[by_time], 0)[last].tolist(),
+        torch.cumsum(host[by_time], 0)[last].tolist(),
+        max(peak, 0),
+    )

@@ -150,9 +150,12 @@ class Recorder(TorchDispatchMode):
                 sid, _ = self.storage_id(arg)
                 inputs[sid] = self.nbytes[sid]
         outputs: dict[int, int] = {}
+        workspace = _workspace(func, args, kwargs, out)
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
                 sid, new = self.storage_id(value)
+                if new and workspace is not None and value is workspace[0]:
+                    self.nbytes[sid] = workspace[1]
                 if new or sid in inputs and _writes_inplace(func):
                     outputs[sid] = self.nbytes[sid]
         level = 1
@@ -293,6 +296,33 @@ class Recorder(TorchDispatchMode):
                 )
             )
         return storages
+
+
+# Note: [Workspaces fake tensors cannot size]
+# The fused RNN kernels (oneDNN's LSTM layer on CPU, cuDNN's RNN on a GPU) return a workspace
+# that autograd saves for backward: each step's gates, in a layout of the library's own. Their
+# fake kernels give it zero bytes, so the trace would lose a saved tensor that the runtime sees,
+# and with it the order by which a plan names saved tensors. The trace gives it an estimate: 64
+# bytes per element of the output and layer for an LSTM (oneDNN made 61 to 63 from 50 steps on,
+# and at most 18% more for shorter sequences), the gates' share of that for a GRU or plain RNN.
+# The same estimate stands for cuDNN's reserve space.
+_WORKSPACES = {"aten.mkldnn_rnn_layer.default": 3, "aten._cudnn_rnn.default": 3}
+_GATES = {0: 1, 1: 1, 2: 4, 3: 3}  # by cuDNN's mode: RNN_RELU, RNN_TANH, LSTM, GRU
+_BYTES_PER_GATE = 16
+
+
+def _workspace(func: Any, args: Any, kwargs: Any, out: Any) -> tuple[torch.Tensor, int] | None:
+    """The workspace output of a fused RNN call that fake tensors gave no bytes, and its
+    estimated bytes (Note [Workspaces fake tensors cannot size])."""
+    position = _WORKSPACES.get(str(func))
+    if position is None or out[position].untyped_storage().nbytes() > 0:
+        return None
+    named = dict(zip((a.name for a in func._schema.arguments), args, strict=False)) | kwargs
+    if not named.get("train", True):
+        return None
+    layers = 1 if "mkldnn" in str(func) else int(named.get("num_layers", 1))
+    gates = _GATES.get(int(named.get("mode", 2)), 4)
+    return out[position], _BYTES_PER_GATE * gates * out[0].numel() * layers
 
 
 class _ForwardNodes(TorchFunctionMode):

@@ -275,3 +275,25 @@ def test_lightning_fit_on_cuda_is_bitwise_and_under_its_budget(spill_dir):
         assert same_bits(a, b)
     assert callback.lms.plan is not None and callback.lms.plan.offload
     assert peak <= budget, (peak, budget, plain_peak)
+
+
+def test_cudnn_lstm_reserve_keeps_its_place_and_its_plan_is_followed(spill_dir, caplog):
+    # Note [Workspaces fake tensors cannot size]: cuDNN's reserve space, estimated in the trace.
+    from tests.analysis.test_trace import TwoLayerLSTM
+
+    torch.manual_seed(0)
+    model = TwoLayerLSTM().cuda()
+    x = torch.randn(50, 4, 32, device="cuda")
+
+    def step(m, batch):  # as run_step's
+        m(*batch).float().square().mean().backward()
+
+    ref = run_step(model, (x,))
+    offload = lms.LMS(budget="1GiB", min_offload_bytes=0, spill_dir=spill_dir)
+    plan = offload.tune(model, [x], step)
+    assert plan.num_entries > 0
+    with caplog.at_level("WARNING", logger="lms"):
+        for _ in range(2):
+            assert_bitwise(ref, run_step(model, (x,), offload))
+    assert "saves tensors other than" not in caplog.text
+    offload.close()

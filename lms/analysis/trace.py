@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -22,6 +27,8 @@ from lms.config import AUTO_MIN_OFFLOAD_BYTES
 from lms.errors import LMSError, step_failed
 
 __all__ = ["trace_step", "default_step", "StepFn"]
+
+log = logging.getLogger("lms.analysis")
 
 StepFn = Callable[[torch.nn.Module, Any], Any]
 
@@ -36,6 +43,34 @@ def default_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch
     loss = out.float().mean()
     loss.backward()
     return loss
+
+
+def _build(
+    model: torch.nn.Module | Callable[[], torch.nn.Module],
+    fake_mode: FakeTensorMode,
+    target: torch.device,
+) -> tuple[torch.nn.Module, bool]:
+    """The module to trace, and whether it is real (its state to be faked while tracing).
+
+    A builder runs under fake tensors, so that a model too large for this machine's memory
+    costs none; one whose own code reads a tensor's value (RegNet computes its widths with
+    tensors), which fake tensors cannot give, is built for real instead.
+    """
+    if isinstance(model, torch.nn.Module):
+        return model, True
+    try:
+        with fake_mode, torch.device(target):
+            built, real = model(), False
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        log.info(
+            "[LMS] the model's builder reads the value of a tensor (%s), which fake tensors "
+            "do not have; building it for real on the CPU",
+            error.func,
+        )
+        built, real = model(), True
+    if not isinstance(built, torch.nn.Module):
+        raise TypeError(f"lms: the model builder returned {type(built).__name__}, not a module")
+    return built, real
 
 
 @contextlib.contextmanager
@@ -76,7 +111,8 @@ def trace_step(
 
     Args:
         model: a module (its real parameters are swapped for fake ones while tracing and put
-            back after), or a function that builds one (called under fake tensors on ``device``).
+            back after), or a function that builds one (called under fake tensors on ``device``;
+            for real on the CPU where its own code reads a tensor's value).
         batch: the step's input tensors (a tensor, or a list, tuple or dict of them, nested as the
             step expects), or a function that makes them (under fake tensors).
         step_fn: ``step_fn(model, batch)`` runs forward, loss and backward; default:
@@ -96,55 +132,53 @@ def trace_step(
     tracker = ModTracker()
     recorder = Recorder(tracker, min_offload_bytes)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
-    with fake_mode, torch.device(target):
-        built = model() if callable(model) and not isinstance(model, torch.nn.Module) else model
-        assert isinstance(built, torch.nn.Module)
-        with _fake_state(built, target) if isinstance(model, torch.nn.Module) else _noop():
-            leaves, structure = tree_flatten(batch() if callable(batch) else batch)
-            leaves = [
-                torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
-                if isinstance(t, torch.Tensor)
-                else t
-                for t in leaves
-            ]
-            inputs = tree_unflatten(leaves, structure)  # the batch's own structure, faked
-            tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-            opt = optimizer(built.parameters()) if optimizer is not None else None
-            input_shapes = tuple(tuple(t.shape) for t in tensors)
-            param_bytes = recorder.register(iter(built.parameters()), "param")
-            buffer_bytes = recorder.register(iter(built.buffers()), "buffer")
-            input_bytes = recorder.register(iter(tensors), "input")
-            amp = torch.autocast(target.type, dtype=autocast) if autocast is not None else _noop()
-            hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
-            recorder.name_modules(built)
-            pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.enter_module)
-            post = torch.nn.modules.module.register_module_forward_hook(
-                recorder.exit_module, always_call=True
-            )
-            try:
-                with tracker, recorder, recorder.forward_nodes, hooks:
-                    with amp:
-                        result = step(built, inputs)
-                    if opt is not None:
-                        opt.step()
-            except LMSError:
-                raise
-            except Exception as error:
-                raise step_failed(error, f"{name}'s step, traced under fake tensors,") from error
-            finally:
-                pre.remove()
-                post.remove()
-            del result
-            grads = [p.grad for p in built.parameters() if p.grad is not None]
-            gradient_ids = {recorder.storage_id(g)[0] for g in grads}
-            state_ids: set[int] = set()
-            if opt is not None:
-                for state in opt.state.values():
-                    for value in state.values():
-                        if isinstance(value, torch.Tensor):
-                            state_ids.add(recorder.storage_id(value)[0])
-            del opt, grads, inputs, leaves, tensors
-            gc.collect()
+    built, real = _build(model, fake_mode, target)
+    with fake_mode, torch.device(target), _fake_state(built, target) if real else _noop():
+        leaves, structure = tree_flatten(batch() if callable(batch) else batch)
+        leaves = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
+            if isinstance(t, torch.Tensor)
+            else t
+            for t in leaves
+        ]
+        inputs = tree_unflatten(leaves, structure)  # the batch's own structure, faked
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        opt = optimizer(built.parameters()) if optimizer is not None else None
+        input_shapes = tuple(tuple(t.shape) for t in tensors)
+        param_bytes = recorder.register(iter(built.parameters()), "param")
+        buffer_bytes = recorder.register(iter(built.buffers()), "buffer")
+        input_bytes = recorder.register(iter(tensors), "input")
+        amp = torch.autocast(target.type, dtype=autocast) if autocast is not None else _noop()
+        hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
+        recorder.name_modules(built)
+        pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.enter_module)
+        post = torch.nn.modules.module.register_module_forward_hook(
+            recorder.exit_module, always_call=True
+        )
+        try:
+            with tracker, recorder, recorder.forward_nodes, hooks:
+                with amp:
+                    result = step(built, inputs)
+                if opt is not None:
+                    opt.step()
+        except LMSError:
+            raise
+        except Exception as error:
+            raise step_failed(error, f"{name}'s step, traced under fake tensors,") from error
+        finally:
+            pre.remove()
+            post.remove()
+        del result
+        grads = [p.grad for p in built.parameters() if p.grad is not None]
+        gradient_ids = {recorder.storage_id(g)[0] for g in grads}
+        state_ids: set[int] = set()
+        if opt is not None:
+            for state in opt.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        state_ids.add(recorder.storage_id(value)[0])
+        del opt, grads, inputs, leaves, tensors
+        gc.collect()
     backward_start = next(
         (op.index for op in recorder.ops if op.phase == "backward"), len(recorder.ops)
     )

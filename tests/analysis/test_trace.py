@@ -204,3 +204,17 @@ def test_a_step_whose_shapes_depend_on_the_data_cannot_be_traced():
     with pytest.raises(lms.errors.StepFailedError, match="output depends on the data") as raised:
         trace_step(Masked(), [torch.randn(4, 8)])
     assert "DynamicOutputShapeException: aten.nonzero.default" in str(raised.value)
+
+
+def test_a_builder_that_reads_tensor_values_is_built_for_real(caplog):
+    # RegNet computes its widths with tensors; fake tensors have no values to give.
+    def build():
+        width = int(torch.tensor([3.0, 5.0]).sum().item())  # 8
+        return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.ReLU())
+
+    with caplog.at_level("INFO", logger="lms"):
+        trace = trace_step(build, [torch.randn(2, 4)], device="cpu")
+    assert "building it for real" in caplog.text
+    assert trace.param_bytes == (4 * 8 + 8) * 4
+    with pytest.raises(TypeError, match="not a module"):
+        trace_step(lambda: 3, [torch.randn(2, 4)], device="cpu")

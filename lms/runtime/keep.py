@@ -31,12 +31,15 @@ class Keep:
         self.min_bytes = max(min_offload_bytes, 1)
         self.fixed_ptrs: set[int] = set()
         """Addresses of the parameters' and buffers' storages."""
+        self.models = 0
+        """Models noted whole (`note_model`), as `LMS.tune` does."""
 
     def note_model(self, model: torch.nn.Module) -> None:
         """Every parameter and buffer of ``model`` stays: also those a step reads without
         calling their module (a frozen attention's out_proj.weight, read by the functional op)."""
         for tensor in [*model.parameters(), *model.buffers()]:
             self.fixed_ptrs.add(tensor.untyped_storage().data_ptr())
+        self.models += 1
 
     def note_module(self, module: torch.nn.Module, args: object) -> None:
         """A forward pre-hook: the parameters and buffers of the module about to run stay."""

@@ -118,15 +118,23 @@ class LMS:
             self._step = Step(self.stats.steps + 1, self._record)
             self.stats.steps += 1
             self._step.light = self._follow.runs_light()
-        if self._step.light:
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(
-                self._pack_light, self._unpack_light
-            )
-            self._module_hook = None
-        else:
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # Note: [Hooks stay out of compiled graphs]
+        # A model compiled in place runs the global module hook inside its compiled frame, and
+        # the saved-tensor hooks where forward saves: torch.compile must call them as they are,
+        # never trace them into a graph (they read addresses and take locks).
+        pack, unpack = (
+            (self._pack_light, self._unpack_light)
+            if self._step.light
+            else (self._pack, self._unpack)
+        )
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            torch.compiler.disable(pack), torch.compiler.disable(unpack)
+        )
+        if not self._step.light and not self._keep.models:
+            # A tuned model's parameters and buffers are known already: no hook on every
+            # module call (nor torch.compile's warning about global module hooks).
             self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                self._keep.note_module
+                torch.compiler.disable(self._keep.note_module)
             )
         self._hooks.__enter__()
         if self.plan is not None and self.plan.recompute:

@@ -188,6 +188,8 @@ def test_tuned_plan_runs_bitwise_and_within_budget(tmp_path, caplog):
     for _ in range(2):
         got = run(offload)
         assert_bitwise(ref, got)
+    with offload:  # the tuned model's parameters are known: no hook on every module call
+        assert not torch.nn.modules.module._global_forward_pre_hooks
     assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
     # a second tune of the same step loads the cached plan
     caplog.set_level("INFO", logger="lms")
@@ -223,11 +225,13 @@ def test_a_plan_that_moves_nothing_runs_light_after_its_first_step(tmp_path):
     model.layers[0].register_forward_pre_hook(
         lambda *_: hooked.append(bool(module._global_forward_pre_hooks))
     )
-    saved = []
+    saved, light = [], []
     for _ in range(3):
         assert_bitwise(ref, run_step(model, (x,), offload))
         saved.append(offload.stats.saved_tensors - sum(saved))
-    assert hooked == [True, False, False]  # the first step in full, then no module hook
+        light.append(offload._step.light)
+    assert light == [False, True, True]  # the first step in full, then light
+    assert hooked == [False, False, False]  # tuned: the model's parameters are known
     assert saved[0] == saved[1] == saved[2] > 0  # light steps still count what they save
     assert offload.stats.offloaded_tensors == 0
     assert offload._live == {} and hooks_are_gone()

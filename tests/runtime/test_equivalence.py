@@ -190,3 +190,17 @@ def test_budget_keeps_newest_resident(spill_dir):
     assert offload.stats.offloaded_tensors > 0
     assert offload.stats.peak_resident_saved_bytes <= 4 * act
     assert offload.stats.prefetched_bytes > 0
+
+
+def test_compiled_model_bitwise(spill_dir):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.Tanh())
+    model.compile(backend="aot_eager")  # in place: no warning about global module hooks
+    compiled = model
+    x = torch.randn(512, 64)
+    ref = run_step(compiled, (x,))
+    offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
+    for _ in range(2):
+        assert_bitwise(ref, run_step(compiled, (x,), offload))
+    assert offload.stats.offloaded_tensors > 0
+    offload.close()

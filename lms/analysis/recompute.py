@@ -18,7 +18,6 @@ then serves its own first use too. Those inputs are the recipe's ``chainable`` o
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 from lms.analysis.records import Trace
 
@@ -99,21 +98,15 @@ class _Derived:
         self.scratch_ops += [k for k in (*sub.scratch_ops, *sub.ops) if k not in self.scratch_ops]
 
 
-_CACHE: dict[int, tuple[weakref.ref[Trace], dict[int, Recipe]]] = {}
-
-
 def recipes(trace: Trace) -> dict[int, Recipe]:
     """For each saved storage (by ordinal) that backward could recompute, its recipe.
 
-    Computed once per trace (planners simulate a trace hundreds of times); do not mutate it.
+    Computed once per trace (Note [A trace derives once]); do not mutate it.
     """
-    key = id(trace)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is trace:
-        return hit[1]
-    found = _find(trace)
-    _CACHE[key] = (weakref.ref(trace, lambda _: _CACHE.pop(key, None)), found)
-    return found
+    found = trace.memo.get("recipes")
+    if found is None:
+        found = trace.memo["recipes"] = _find(trace)
+    return found  # type: ignore[no-any-return]
 
 
 def _find(trace: Trace) -> dict[int, Recipe]:

@@ -1,7 +1,10 @@
-"""The local device's spec: measured once a process for each GPU and TF32 setting."""
+"""The local device's spec, measured once a process for each GPU and TF32 setting; tuning a
+Hugging Face transformers model."""
 
+import contextlib
 import types
 
+import pytest
 import torch
 
 from lms import tuning
@@ -37,3 +40,53 @@ def test_local_spec_measures_each_gpu_once_per_tf32_setting(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # other convolution rates
     tuning.local_device_spec(torch.device("cuda", 0))
     assert calls == {"link": 3, "compute": 3}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "attention"), [("llama", "sdpa"), ("gpt2", "eager")], ids=["llama", "gpt2"]
+)
+def test_transformers_model_follows_its_tuned_plan_bitwise(model_type, attention, tmp_path, caplog):
+    transformers = pytest.importorskip("transformers")
+    import lms
+    from lms.analysis import device_spec, simulate, trace_step
+    from tests.conftest import assert_bitwise
+
+    sizes = {
+        "llama": dict(
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        "gpt2": dict(n_embd=128, n_layer=2, n_head=4),  # with dropout
+    }
+    config = transformers.AutoConfig.for_model(model_type, vocab_size=500, **sizes[model_type])
+    config._attn_implementation = attention
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    ids = torch.randint(0, 500, (2, 128))
+
+    def step(m, batch):
+        m(input_ids=batch[0], labels=batch[0]).loss.backward()
+
+    def run(ctx=None):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    ref = run()
+    trace = trace_step(model, [ids], step, device="cpu")
+    budget = int(simulate(trace, None, device_spec("cpu")).peak_bytes * 0.75)
+    offload = lms.LMS(budget=budget, tier="disk", spill_dir=str(tmp_path))
+    plan = offload.tune(model, [ids], step)
+    assert plan.offload
+    with caplog.at_level("WARNING", logger="lms"):
+        for _ in range(2):
+            assert_bitwise(ref, run(offload))
+    assert "saves tensors other than" not in caplog.text
+    assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
+    offload.close()

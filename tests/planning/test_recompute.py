@@ -90,6 +90,19 @@ def _recompute_chains(trace):
     return _plan_recomputing(trace, chosen)
 
 
+def _steps_bitwise(build, batch, plan, spill_dir, *, recomputed):
+    """Two steps of ``build()`` under ``plan`` against a plain step: each bitwise, with
+    ``recomputed`` replays a step; returns the runtime's stats."""
+    model = build()
+    ref = run_step(model, batch)
+    offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
+    for step in (1, 2):
+        assert_bitwise(ref, run_step(model, batch, offload))
+        assert offload.stats.recomputed_tensors == step * recomputed
+    offload.close()
+    return offload.stats
+
+
 def test_recipes_cover_norms_and_activations_but_not_random_ops():
     trace = _trace(Mixed, [torch.randn(2, 3, 32, 32)])
     found = recipes(trace)
@@ -121,14 +134,8 @@ def test_runtime_recomputes_bitwise(build, chains, spill_dir):
     found = recipes(trace)
     chained = [i for i in plan.recompute if set(found[i].inputs) & set(plan.recompute)]
     assert plan.recompute and bool(chained) == chains  # chains: replays start from replays
-    model = build()
-    ref = run_step(model, batch)
-    offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
-    for step in range(1, 3):
-        assert_bitwise(ref, run_step(model, batch, offload))
-        assert offload.stats.recomputed_tensors == step * len(plan.recompute)
-    assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
-    offload.close()
+    stats = _steps_bitwise(build, batch, plan, spill_dir, recomputed=len(plan.recompute))
+    assert stats.offloaded_tensors == 2 * len(plan.offload)
 
 
 @pytest.mark.parametrize(
@@ -145,14 +152,8 @@ def test_recompute_chains_bitwise_across_architectures(name, spill_dir):
     trace = _trace(build, batch)
     plan = _recompute_chains(trace)
     assert len(plan.recompute) >= 20
-    model = build()
-    ref = run_step(model, batch)
-    offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
-    for step in (1, 2):
-        assert_bitwise(ref, run_step(model, batch, offload))
-        assert offload.stats.recomputed_tensors == step * len(plan.recompute)
-    assert offload.stats.replays_differed == 0
-    offload.close()
+    stats = _steps_bitwise(build, batch, plan, spill_dir, recomputed=len(plan.recompute))
+    assert stats.replays_differed == 0
 
 
 def test_a_shortcut_autograd_did_not_save_is_made_again_in_the_replay(spill_dir):
@@ -172,14 +173,8 @@ def test_a_shortcut_autograd_did_not_save_is_made_again_in_the_replay(spill_dir)
     result = simulate(trace, plan, small_spec())
     scratch = {s for i in through for s in found[i].scratch}
     assert scratch <= {iv.storage for iv in result.intervals if iv.kind == "recomputed"}
-    model = _resnet()
-    ref = run_step(model, batch)
-    offload = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
-    for step in (1, 2):
-        assert_bitwise(ref, run_step(model, batch, offload))
-        assert offload.stats.recomputed_tensors == step * len(through)
-    assert offload.stats.replays_differed == 0
-    offload.close()
+    stats = _steps_bitwise(_resnet, batch, plan, spill_dir, recomputed=len(through))
+    assert stats.replays_differed == 0
 
 
 def test_replayed_norms_leave_the_running_statistics_as_forward_left_them(spill_dir):

@@ -12,13 +12,14 @@ from lms.errors import (
     StepFailedError,
 )
 from lms.plan import Plan
-from lms.runtime import LMS, LMSStats, no_offload
+from lms.runtime import LMS, LMSStats, no_offload, no_offload_in
 
 __all__ = [
     "LMS",
     "LMSConfig",
     "LMSStats",
     "no_offload",
+    "no_offload_in",
     "analyze",
     "Report",
     "simulate",

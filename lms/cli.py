@@ -32,6 +32,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, required=True, help="edge in pixels/voxels")
     parser.add_argument("--batch-size", type=int, default=None, help=_BATCH_HELP)
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
+    parser.add_argument(
+        "--no-offload-in",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="keep what this submodule saves on the device (e.g. layer4); repeatable",
+    )
 
 
 def _write_json(path: str, result: dict[str, Any]) -> None:
@@ -51,12 +58,19 @@ def _write(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[str
 
 def _analyze(args: argparse.Namespace) -> int:
     from lms.analysis import analyze
+    from lms.runtime.keep import no_offload_in, submodules
     from lms.zoo import zoo_model
 
     entry = zoo_model(args.model)
     entry.check_batch(args.batch_size)
+
+    def build() -> torch.nn.Module:
+        model = entry.build()
+        no_offload_in(*submodules(model, args.no_offload_in))  # this model lives for the trace
+        return model
+
     report = analyze(
-        entry.build,
+        build,
         lambda: entry.make_batch(args.image_size, args.batch_size),
         entry.step_fn,
         gpu_memory=args.gpu_memory,
@@ -106,6 +120,7 @@ def _train(args: argparse.Namespace) -> int:
             host_budget=args.host_budget,
             amp=args.amp,
             data=data,
+            keep_in=args.no_offload_in,
         )
     except PlanInfeasibleError as error:
         print(error, file=sys.stderr)

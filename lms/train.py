@@ -23,6 +23,7 @@ from lms._units import format_bytes, format_rate
 from lms.bench.rss import PeakRSS
 from lms.errors import LMSError, step_failed
 from lms.runtime import LMS
+from lms.runtime.keep import no_offload_in, submodules
 from lms.zoo import ZooModel, zoo_model
 
 __all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks"]
@@ -92,12 +93,15 @@ def train(
     device: str | None = None,
     data: Sequence[torch.Tensor] | None = None,
     progress: bool = True,
+    keep_in: Sequence[str] = (),
 ) -> TrainResult:
-    """Train ``steps`` steps of a zoo model and measure them.
+    """Train ``steps`` steps of a zoo model and measure them. With method "lms", tensors saved
+    inside the submodules named in ``keep_in`` ("layer4") stay on the device (`no_offload_in`).
 
     Raises:
         PlanInfeasibleError: with method "lms", before training, when the budget cannot fit.
-        ValueError: an unknown method, or a batch below the model's smallest.
+        ValueError: an unknown method, a batch below the model's smallest, or a name in
+            ``keep_in`` that is not one of the model's submodules.
         StepFailedError: the model's step raised, traced or in its first real step (ResNet50
             at 32 px and batch 1, say: its last batch norm then sees one value per channel).
     """
@@ -109,6 +113,7 @@ def train(
     cuda = target.type == "cuda"
     torch.manual_seed(0)
     model = entry.build().to(target)
+    kept = no_offload_in(*submodules(model, keep_in)) if method == "lms" else None
     fmt = torch.channels_last if entry.unit == "pixels" else None
     if fmt is not None:
         model = model.to(memory_format=fmt)
@@ -181,6 +186,8 @@ def train(
     )
     if offload is not None:
         offload.close()
+    if kept is not None:
+        kept.remove()
     log.info(
         "[LMS] %s size %d batch %d, %s: %.3f s/step, %.3g samples/s, %s, peak %s%s",
         model_name,

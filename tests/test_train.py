@@ -128,6 +128,20 @@ def test_cli_analyzes_an_imported_builder_and_refuses_bad_names(tmp_path, capsys
         assert "lms: model=" in capsys.readouterr().err
 
 
+def test_cli_keeps_named_submodules_on_the_device_and_refuses_other_names(tmp_path, capsys):
+    movable = []
+    for keep in ([], ["--no-offload-in", "conv_0", "--no-offload-in", "upcat_1"]):
+        out = tmp_path / "r.json"
+        args = ["-q", "analyze", "--model", "unet3d", "--image-size", "32", "--json", str(out)]
+        assert main([*args, *keep]) == 0
+        movable.append(json.loads(out.read_text())["movable_storages"])
+    assert movable[0] > movable[1] > 0  # what the first and last blocks save stays
+    assert main(["train", "--model", "unet3d", "--image-size", "32", "--no-offload-in", "x"]) == 2
+    assert "BasicUNet has no submodule 'x'; its top-level ones: conv_0, down_1" in (
+        capsys.readouterr().err
+    )
+
+
 def test_deeplabv3_refuses_a_batch_of_one_and_defaults_to_two(tmp_path, capsys):
     from lms.bench.compare import bench
 

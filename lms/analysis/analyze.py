@@ -104,6 +104,7 @@ class Report:
             "num_ops": len(self.trace.ops),
             "num_edges": self.trace.num_edges,
             "num_levels": self.trace.num_levels,
+            "movable_storages": len(self.trace.entries()),
             "param_bytes": self.trace.param_bytes,
             "largest_op": {
                 "name": largest.name,

@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis.records import JunctionRecord, OpRecord, SavedEvent, StorageRecord
 from lms.runtime import junctions
+from lms.runtime.keep import offload_blocked
 
 __all__ = ["Recorder"]
 
@@ -204,6 +205,7 @@ class Recorder(TorchDispatchMode):
             sid in self.fixed
             or (base.is_leaf and base.requires_grad)  # a parameter, or a view of one
             or self.nbytes[sid] < max(self.min_offload_bytes, 1)
+            or offload_blocked()  # as the runtime keeps it
         )
         self.events.append(
             SavedEvent(self.level, len(self.ops), "save", sid, self.nbytes[sid], offloadable)

@@ -159,6 +159,17 @@ class Trace:
         return tuple(seen.values())
 
     @functools.cached_property
+    def held(self) -> frozenset[int]:
+        """Storages that may move but that a save kept in place (inside `lms.no_offload`) holds
+        on the device meanwhile: moving or recomputing one frees nothing."""
+        movable = {storage for storage, _, _ in self._entries}
+        return frozenset(
+            event.storage
+            for event in self.events
+            if event.kind == "save" and not event.offloadable and event.storage in movable
+        )
+
+    @functools.cached_property
     def _uses(self) -> dict[int, tuple[int, ...]]:
         uses: dict[int, list[int]] = {}
         for event in self.events:

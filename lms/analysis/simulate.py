@@ -248,7 +248,8 @@ class _Residency:
     def _remade(self, record: StorageRecord, ordinal: int) -> None:
         """Freed after forward; made again, with its scratch storages, before backward's use."""
         clock = self.clock
-        self._add(record, self._begin(record), clock.op_end(record.last_forward_op))
+        last = record.free_op if record.id in clock.trace.held else record.last_forward_op
+        self._add(record, self._begin(record), clock.op_end(last))
         if ordinal not in clock.recompute_start:
             return
         start, end = clock.recompute_start[ordinal], clock.recompute_end[ordinal]
@@ -261,12 +262,13 @@ class _Residency:
         """On the device until copied out, and again from each load to the use it serves."""
         clock = self.clock
         begin, finish = self._begin(record), clock.op_end(record.free_op)
-        if record.alloc_op < 0:
-            # Held outside autograd since before the step (an input): the copy frees nothing.
-            self._hold(ordinal, finish, record.nbytes)
+        if record.alloc_op < 0 or record.id in clock.trace.held:
+            # Held outside autograd since before the step (an input), or by a save that stays:
+            # the copy frees nothing, and what comes back is another copy.
             self._add(record, begin, finish)
-            return
-        self._add(record, begin, max(clock.out_done[ordinal], clock.op_end(record.last_forward_op)))
+        else:
+            out = max(clock.out_done[ordinal], clock.op_end(record.last_forward_op))
+            self._add(record, begin, out)
         if ordinal in clock.in_issue:
             # Per use when read back per use: held from each load to the end of that use.
             uses = clock.later_uses.get(ordinal, [])

@@ -25,6 +25,7 @@ from lms.analysis.recorder import Recorder
 from lms.analysis.records import Trace
 from lms.config import AUTO_MIN_OFFLOAD_BYTES
 from lms.errors import LMSError, step_failed
+from lms.runtime.keep import leave_modules
 
 __all__ = ["trace_step", "default_step", "StepFn"]
 
@@ -155,6 +156,7 @@ def trace_step(
         post = torch.nn.modules.module.register_module_forward_hook(
             recorder.exit_module, always_call=True
         )
+        leave_modules()
         try:
             with tracker, recorder, recorder.forward_nodes, hooks:
                 with amp:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ except ImportError:  # the older standalone package
 
 from lms.config import LMSConfig
 from lms.plan import Plan
+from lms.runtime.keep import NoOffloadIn, no_offload_in, submodules
 from lms.runtime.session import LMS
 
 __all__ = ["LMSCallback"]
@@ -40,6 +41,8 @@ class LMSCallback(Callback):
             only; with manual optimization the runtime's own policy decides).
         cache_dir: where tuned plans are cached (default ``~/.cache/lms/plans``).
         plan: follow this plan instead of tuning one.
+        no_offload_in: names of the LightningModule's submodules ("model.layer4") whose saved
+            tensors stay on the device (`lms.no_offload_in`), for the fit only.
         **settings: `lms.LMS` settings: ``budget``, ``tier``, ``sync_mode``, ``spill_dir``, ...
 
     Attributes:
@@ -52,6 +55,7 @@ class LMSCallback(Callback):
         tune: bool = True,
         cache_dir: str | None = None,
         plan: Plan | None = None,
+        no_offload_in: Sequence[str] = (),
         **settings: Any,
     ):
         super().__init__()
@@ -59,12 +63,16 @@ class LMSCallback(Callback):
         self.plan = plan
         self.tune = tune and plan is None
         self.cache_dir = cache_dir
+        self.no_offload_in = tuple(no_offload_in)
         self.lms: LMS | None = None
         self._open = False
+        self._kept: NoOffloadIn | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
+            kept = submodules(pl_module, self.no_offload_in)  # a wrong name fails before fit
             self.lms = LMS(config=self.config, plan=self.plan)
+            self._kept = no_offload_in(*kept)
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -94,6 +102,9 @@ class LMSCallback(Callback):
         if stage != "fit" or self.lms is None:
             return
         self._close(None)
+        if self._kept is not None:
+            self._kept.remove()
+            self._kept = None
         log.info("[LMS] fit ended: %s", self.lms.stats)
         self.lms.close()
 

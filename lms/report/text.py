@@ -27,7 +27,8 @@ def info_lines(
         f"[LMS] Analyzing {trace.name}, inputs {list(map(list, trace.input_shapes))}, "
         f"traced on {trace.device}",
         f"[LMS] The step has {len(trace.ops)} operations, {trace.num_edges} edges and "
-        f"{trace.num_levels} levels; {sum(e.kind == 'save' for e in trace.events)} saved tensors",
+        f"{trace.num_levels} levels; {sum(e.kind == 'save' for e in trace.events)} saved tensors "
+        f"in {len(trace.entries())} storages that may move",
         f"[LMS] The model has {format_bytes(trace.param_bytes)} of learning parameters",
         f"[LMS] The largest operation is {largest.name} at {largest.module} consuming "
         f"{format_bytes(largest.working_set_bytes)}",

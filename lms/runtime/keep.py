@@ -1,15 +1,17 @@
 """Which saved tensors stay where they are: parameters and buffers and views of them, tensors
-too small to move, layouts the runtime does not move, and all saved inside `no_offload()`."""
+too small to move, layouts the runtime does not move, and all saved inside `no_offload()` or
+inside the modules named to `no_offload_in`."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["Keep", "no_offload"]
+__all__ = ["Keep", "no_offload", "no_offload_in", "offload_blocked", "submodules"]
 
 _local = threading.local()
 
@@ -22,6 +24,86 @@ def no_offload() -> Iterator[None]:
         yield
     finally:
         _local.depth -= 1
+
+
+def offload_blocked() -> bool:
+    """Whether tensors saved now stay: inside `no_offload()` or a module given to
+    `no_offload_in` (the trace asks too, so that plans count saved tensors as the runtime does)."""
+    return getattr(_local, "depth", 0) > 0 or getattr(_local, "modules", 0) > 0
+
+
+def leave_modules() -> None:
+    """A step starts outside every module: forget a count that an interrupted forward (one
+    that skipped its modules' forward hooks) left behind."""
+    _local.modules = 0
+
+
+class NoOffloadIn:
+    """The hooks `no_offload_in` put on modules; ``remove()`` (or leaving a ``with``) takes
+    them off."""
+
+    def __init__(self, modules: tuple[torch.nn.Module, ...]):
+        # Hooks on chosen modules run inside a model compiled in place: as they are, never traced.
+        enter, leave = torch.compiler.disable(_enter), torch.compiler.disable(_leave)
+        self._handles: list[Any] = []
+        for module in modules:
+            self._handles.append(module.register_forward_pre_hook(enter))
+            self._handles.append(module.register_forward_hook(leave, always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> NoOffloadIn:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _enter(module: torch.nn.Module, args: object) -> None:
+    _local.modules = getattr(_local, "modules", 0) + 1
+
+
+def _leave(module: torch.nn.Module, args: object, output: object) -> None:
+    _local.modules = max(getattr(_local, "modules", 0) - 1, 0)
+
+
+def no_offload_in(*modules: torch.nn.Module) -> NoOffloadIn:
+    """Keep every tensor saved while one of ``modules`` runs on the device, without editing
+    the model: ``lms.no_offload_in(model.layer4, model.fc)``. Tracing and tuning see the same
+    choice. The hooks stay until ``remove()`` on what this returns, or the end of its ``with``.
+
+    Raises:
+        TypeError: when one of ``modules`` is not a ``torch.nn.Module``.
+    """
+    for module in modules:
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(
+                f"lms: no_offload_in takes modules (such as model.layer4), not "
+                f"{type(module).__name__}"
+            )
+    return NoOffloadIn(modules)
+
+
+def submodules(model: torch.nn.Module, names: Iterable[str]) -> tuple[torch.nn.Module, ...]:
+    """``model``'s submodules by their qualified names ("layer4", "encoder.layers.0").
+
+    Raises:
+        ValueError: a name that is not one of ``model``'s submodules, with the top-level ones.
+    """
+    found = []
+    for name in names:
+        try:
+            found.append(model.get_submodule(name))
+        except AttributeError:
+            children = ", ".join(child for child, _ in model.named_children()) or "none"
+            raise ValueError(
+                f"lms: {type(model).__name__} has no submodule {name!r}; its top-level ones: "
+                f"{children}"
+            ) from None
+    return tuple(found)
 
 
 class Keep:
@@ -50,7 +132,7 @@ class Keep:
                     self.fixed_ptrs.add(tensor.untyped_storage().data_ptr())
 
     def __call__(self, tensor: torch.Tensor) -> bool:
-        if getattr(_local, "depth", 0) > 0:
+        if offload_blocked():
             return True
         if type(tensor) is not torch.Tensor:  # parameters, subclasses, fake tensors
             return True

@@ -21,7 +21,7 @@ from lms.config import LMSConfig
 from lms.plan import Plan
 from lms.runtime import policy
 from lms.runtime.follow import Follow
-from lms.runtime.keep import Keep, no_offload
+from lms.runtime.keep import Keep, leave_modules, no_offload, no_offload_in
 from lms.runtime.pool import available_host_bytes
 from lms.runtime.recompute import Replays
 from lms.runtime.relief import Relief
@@ -29,7 +29,7 @@ from lms.runtime.stats import LMSStats
 from lms.runtime.step import Handle, Step, storage_bytes
 from lms.runtime.store import Entry, Offloader
 
-__all__ = ["LMS", "no_offload"]
+__all__ = ["LMS", "no_offload", "no_offload_in"]
 
 log = logging.getLogger("lms.runtime")
 
@@ -118,6 +118,7 @@ class LMS:
             self._step = Step(self.stats.steps + 1, self._record)
             self.stats.steps += 1
             self._step.light = self._follow.runs_light()
+            leave_modules()
         # Note: [Hooks stay out of compiled graphs]
         # A model compiled in place runs the global module hook inside its compiled frame, and
         # the saved-tensor hooks where forward saves: torch.compile must call them as they are,

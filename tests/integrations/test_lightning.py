@@ -112,6 +112,29 @@ def test_fit_follows_the_tuned_plan_bitwise(tmp_path, caplog, precision, budget,
     assert hooks_are_gone()
 
 
+def test_named_submodules_stay_on_the_device_during_fit_only(tmp_path, caplog):
+    caplog.set_level("INFO", logger="lms")
+    plain = fit([])
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    settings = dict(budget="3MiB", min_offload_bytes=0, spill_dir=str(spill))
+    callbacks = [
+        LMSCallback(cache_dir=str(tmp_path), **settings),
+        LMSCallback(
+            no_offload_in=["features.3", "features.4"], cache_dir=str(tmp_path), **settings
+        ),
+    ]
+    models = [fit([callback]) for callback in callbacks]
+    for a, b in zip(plain.state_dict().values(), models[1].state_dict().values(), strict=True):
+        assert same_bits(a, b)
+    kept = [callback.lms.stats.kept_tensors for callback in callbacks]
+    assert kept[1] > kept[0]  # what features.3 and .4 save
+    assert "falling back" not in caplog.text
+    assert not models[1].features[3]._forward_pre_hooks and hooks_are_gone()
+    with pytest.raises(ValueError, match="no submodule 'features.9'"):
+        fit([LMSCallback(no_offload_in=["features.9"], **settings)])
+
+
 def test_infeasible_budget_fails_before_the_first_step(tmp_path):
     torch.manual_seed(0)
     model = Net()

@@ -1,0 +1,124 @@
+"""What stays on the device by the user's choice: `no_offload()` in the model's code, or
+`no_offload_in(module)` without touching it. The trace counts saved tensors as the runtime does,
+so a tuned plan is followed in both."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import lms
+from lms.analysis import device_spec, simulate, trace_step
+from lms.plan import Plan
+from lms.runtime.keep import offload_blocked, submodules
+from tests.conftest import assert_bitwise, run_step
+
+
+def _block():
+    return nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh())
+
+
+class Stack(nn.Module):
+    def __init__(self, edited=False, fail=False):
+        super().__init__()
+        self.a, self.b, self.c = _block(), _block(), _block()
+        self.edited = edited
+        self.fail = fail
+
+    def forward(self, x):
+        x = self.a(x)
+        if self.edited:
+            with lms.no_offload():
+                x = self.b(x)
+        else:
+            x = self.b(x)
+        if self.fail:
+            raise RuntimeError("failed mid-forward")
+        return self.c(x)
+
+
+def _step(model, batch):
+    loss = model(*batch).float().square().mean()
+    loss.backward()
+    return loss
+
+
+def _model(edited=False):
+    torch.manual_seed(0)
+    return Stack(edited), [torch.randn(2048, 256)]
+
+
+def _tuned_steps(model, inputs, tmp_path, caplog):
+    """Two planned steps, bitwise with the plain one, each following its plan."""
+    ref = run_step(model, inputs)
+    trace = trace_step(model, inputs, _step, device="cpu")
+    budget = int(simulate(trace, None, device_spec("cpu")).peak_bytes * 0.6)
+    offload = lms.LMS(budget=budget, tier="disk", spill_dir=str(tmp_path))
+    plan = offload.tune(model, inputs, _step)
+    with caplog.at_level("WARNING", logger="lms"):
+        for _ in range(2):
+            assert_bitwise(ref, run_step(model, inputs, offload))
+    assert "saves tensors other than" not in caplog.text
+    assert plan.offload and offload.stats.offloaded_tensors == 2 * len(plan.offload)
+    offload.close()
+    return trace, offload.stats
+
+
+def test_a_tuned_plan_counts_no_offload_regions_as_the_runtime_does(tmp_path, caplog):
+    plain_trace, plain = _tuned_steps(*_model(), tmp_path, caplog)
+    trace, stats = _tuned_steps(*_model(edited=True), tmp_path, caplog)
+    # b's linear layers and tanh save 2 MiB activations; all stay, traced and at run time
+    assert len(trace.entries()) < len(plain_trace.entries())
+    assert stats.kept_tensors > plain.kept_tensors
+
+
+def test_no_offload_in_keeps_a_module_without_editing_it(tmp_path, caplog):
+    edited_trace, edited = _tuned_steps(*_model(edited=True), tmp_path, caplog)
+    model, inputs = _model()
+    with lms.no_offload_in(model.b) as kept:
+        trace, stats = _tuned_steps(model, inputs, tmp_path, caplog)
+        assert not offload_blocked()  # only while b runs
+    assert kept is not None
+    assert trace.entries() == edited_trace.entries()  # the same choice as the edited model's
+    assert stats.kept_tensors == edited.kept_tensors
+    assert not model.b._forward_pre_hooks and not model.b._forward_hooks  # hooks removed
+
+
+def test_an_exception_inside_a_kept_module_leaves_nothing_blocked(tmp_path):
+    torch.manual_seed(0)
+    model = Stack(fail=True)
+    offload = lms.LMS(swapout_threshold=1, tier="disk", spill_dir=str(tmp_path))
+    with lms.no_offload_in(model.b), pytest.raises(RuntimeError, match="mid-forward"), offload:
+        model(torch.randn(64, 256))
+    assert not offload_blocked()
+    model.fail = False
+    run_step(model, [torch.randn(2048, 256)], offload)
+    assert offload.stats.offloaded_tensors > 0
+    offload.close()
+
+
+def test_bad_modules_and_names_are_typed_errors():
+    model, _ = _model()
+    with pytest.raises(TypeError, match="takes modules"):
+        lms.no_offload_in("b")
+    assert submodules(model, ["b", "c.0"]) == (model.b, model.c[0])
+    with pytest.raises(ValueError, match=r"no submodule 'd'; its top-level ones: a, b, c"):
+        submodules(model, ["d"])
+
+
+def test_moving_a_storage_a_kept_save_holds_frees_nothing_in_the_simulator():
+    model, inputs = _model(edited=True)
+    trace = trace_step(model, inputs, _step, device="cpu")
+    ordinal = {storage: i for i, (storage, _, _) in enumerate(trace.entries())}
+    held = {ordinal[storage] for storage in trace.held}
+    assert held  # b's input and output: saved in a (or c) too
+
+    def peak(offload):
+        plan = Plan(
+            fingerprint=trace.fingerprint(),
+            offload=tuple(sorted(offload)),
+            num_entries=len(ordinal),
+        )
+        return simulate(trace, plan, device_spec("cpu")).peak_bytes
+
+    everything = set(range(len(ordinal)))
+    assert peak(everything) >= peak(everything - held)  # brought back, they are copies more

@@ -129,7 +129,7 @@ def train(
     autocast = torch.bfloat16 if amp else None
     offload: LMS | None = None
     if method == "lms":
-        offload = LMS(budget=budget, tier=tier, host_budget=host_budget)
+        offload = LMS(budget=budget, tier=tier, host_budget=host_budget, model=model)
         if budget is not None:
             offload.tune(model, batch, step_fn, autocast=autocast)
 

@@ -110,6 +110,13 @@ def recipes(trace: Trace) -> dict[int, Recipe]:
 
 
 def _find(trace: Trace) -> dict[int, Recipe]:
+    # Note: [Compiled models are not replayed]
+    # The runtime learns what forward wrote, to replay it, through a dispatch mode, and
+    # torch.compile runs a frame eagerly while any dispatch mode is active: a plan that
+    # recomputed would run a compiled model uncompiled, slower and with other rounding than the
+    # compiled kernels. A compiled model's plan offloads instead.
+    if trace.compiled:
+        return {}
     entries = trace.entries()
     ordinal_of = {storage: i for i, (storage, _, _) in enumerate(entries)}
     first_save = {storage: save_op for storage, _, save_op in entries}

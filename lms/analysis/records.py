@@ -140,6 +140,9 @@ class Trace:
     min_offload_bytes: int
     junctions: tuple[JunctionRecord, ...] = ()
     """Gradient junctions of saved tensors, in first-save order of those tensors."""
+    compiled: bool = False
+    """The model has parts compiled with ``torch.compile``: backward recomputes nothing
+    (Note [Compiled models are not replayed])."""
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -209,7 +212,8 @@ class Trace:
     def fingerprint(self) -> str:
         """A short hash of the step's shape: op names, sizes and saved-tensor events."""
         digest = hashlib.sha256()
-        digest.update(json.dumps([self.name, self.input_shapes, self.device]).encode())
+        header = [self.name, self.input_shapes, self.device, *(["compiled"] * self.compiled)]
+        digest.update(json.dumps(header).encode())
         for op in self.ops:
             digest.update(f"{op.name}:{op.read_bytes}:{op.written_bytes};".encode())
         for event in self.events:

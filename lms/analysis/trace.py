@@ -202,7 +202,14 @@ def trace_step(
         num_edges=recorder.edges,
         min_offload_bytes=min_offload_bytes,
         junctions=tuple(sorted(recorder.joined, key=lambda j: j.storage)),
+        compiled=any(_is_compiled(module) for module in built.modules()),
     )
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` was compiled in place (``module.compile()``) or wraps a compiled one."""
+    compiled_call = getattr(module, "_compiled_call_impl", None)
+    return compiled_call is not None or type(module).__name__ == "OptimizedModule"
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ import itertools
 import logging
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -49,10 +50,18 @@ class LMS:
             optimizer.step()
 
     Args are those of `lms.LMSConfig` (all keyword-only); ``config`` passes a ready one instead.
+    ``model`` (a module or several) names the models the steps run: their parameters and buffers
+    stay, known from the start (`tune` notes its model too). Without it, a hook on every module
+    call finds them, which splits a model compiled in place into more graphs.
     """
 
     def __init__(
-        self, *, config: LMSConfig | None = None, plan: Plan | None = None, **settings: Any
+        self,
+        *,
+        config: LMSConfig | None = None,
+        plan: Plan | None = None,
+        model: torch.nn.Module | Iterable[torch.nn.Module] | None = None,
+        **settings: Any,
     ):
         if config is not None and settings:
             raise ValueError("lms: pass either config= or settings, not both")
@@ -83,6 +92,11 @@ class LMS:
         self._live: dict[int, Entry] = {}
         self._by_storage: dict[tuple[str, int], tuple[weakref.ref[Any], Entry]] = {}
         self._keep = Keep(self.config.min_offload)
+        models = [model] if isinstance(model, torch.nn.Module) else list(model or ())
+        for each in models:
+            if not isinstance(each, torch.nn.Module):
+                raise TypeError(f"lms: model= takes modules, not {type(each).__name__}")
+            self._keep.note_model(each)
         self._keys = itertools.count()  # entry keys (spill file names), unique in this runtime
         self._active = False
         self._hooks: Any = None
@@ -132,8 +146,8 @@ class LMS:
             torch.compiler.disable(pack), torch.compiler.disable(unpack)
         )
         if not self._step.light and not self._keep.models:
-            # A tuned model's parameters and buffers are known already: no hook on every
-            # module call (nor torch.compile's warning about global module hooks).
+            # A tuned or named model's parameters and buffers are known already: no hook on
+            # every module call (nor torch.compile's warning about global module hooks).
             self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
                 torch.compiler.disable(self._keep.note_module)
             )

@@ -192,6 +192,86 @@ def test_budget_keeps_newest_resident(spill_dir):
     assert offload.stats.prefetched_bytes > 0
 
 
+class Scaled(nn.Module):
+    """A buffer that forward saves (a product's other factor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 256)
+        self.register_buffer("scale", torch.full((512, 256), 0.5))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) * self.scale)
+
+
+def test_a_named_model_is_kept_without_a_hook_on_every_module_call(spill_dir):
+    from torch.nn.modules import module
+
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(512, 64)
+    hooked, kept = [], []
+    model.lin.register_forward_pre_hook(
+        lambda *_: hooked.append(bool(module._global_forward_pre_hooks))
+    )
+    ref = run_step(model, (x,))
+    for named in (None, model):
+        offload = lms.LMS(
+            swapout_threshold=1, min_offload_bytes=0, spill_dir=spill_dir, model=named
+        )
+        assert_bitwise(ref, run_step(model, (x,), offload))
+        kept.append(offload.stats.kept_tensors)
+        assert offload.stats.offloaded_tensors > 0
+    assert hooked == [False, True, False]  # plain, then found by the hook, then named
+    assert kept[0] == kept[1] > 0  # the buffer and the weight stay either way
+    model.compile(backend="aot_eager")
+    ref = run_step(model, (x,))
+    offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, spill_dir=spill_dir, model=model)
+    for _ in range(2):
+        assert_bitwise(ref, run_step(model, (x,), offload))
+    with pytest.raises(TypeError, match="model= takes modules"):
+        lms.LMS(model=[model, "head"])
+
+
+def _conv_net():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.GELU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.SiLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 32 * 32, 10),
+    )
+
+
+def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(spill_dir):
+    import torch._dynamo
+
+    def step(model, batch):
+        model(*batch).float().square().mean().backward()
+
+    x = torch.randn(8, 3, 32, 32)
+    plans = []
+    for compiled in (False, True):
+        torch._dynamo.reset()  # past its recompile limit, dynamo would run the model eagerly
+        model = _conv_net()
+        if compiled:
+            model.compile()  # inductor: its kernels round otherwise than eager aten calls
+        ref = run_step(model, (x,))
+        offload = lms.LMS(budget="3MiB", tier="disk", spill_dir=spill_dir)
+        plans.append(offload.tune(model, [x], step, cache_dir=spill_dir))
+        for _ in range(2):
+            assert_bitwise(ref, run_step(model, (x,), offload))
+        assert offload.stats.offloaded_tensors == 2 * len(plans[-1].offload)
+        offload.close()
+    assert plans[0].recompute and not plans[1].recompute  # a replay would run it uncompiled
+    assert plans[0].fingerprint != plans[1].fingerprint
+
+
 def test_compiled_model_bitwise(spill_dir):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.Tanh())

@@ -70,14 +70,17 @@ class LMSCallback(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
-            kept = submodules(pl_module, self.no_offload_in)  # a wrong name fails before fit
-            self.lms = LMS(config=self.config, plan=self.plan)
-            self._kept = no_offload_in(*kept)
+            submodules(pl_module, self.no_offload_in)  # a wrong name fails before fit
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # The strategy has put the model on its device: its parameters' storages are final.
+        self.lms = LMS(config=self.config, plan=self.plan, model=pl_module)
+        self._kept = no_offload_in(*submodules(pl_module, self.no_offload_in))
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        assert self.lms is not None, "setup() makes the LMS object before fit"
+        assert self.lms is not None, "on_fit_start() makes the LMS object"
         if self.tune and self.lms.plan is None:
             self._tune(trainer, pl_module, batch, batch_idx)
         self.lms.__enter__()

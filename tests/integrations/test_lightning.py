@@ -135,6 +135,23 @@ def test_named_submodules_stay_on_the_device_during_fit_only(tmp_path, caplog):
         fit([LMSCallback(no_offload_in=["features.9"], **settings)])
 
 
+def test_an_untuned_fit_runs_no_hook_on_every_module_call(tmp_path):
+    from torch.nn.modules import module
+
+    plain = fit([])
+    torch.manual_seed(0)
+    net, hooked = Net(), []
+    net.features[0].register_forward_pre_hook(
+        lambda *_: hooked.append(bool(module._global_forward_pre_hooks))
+    )
+    callback = LMSCallback(tune=False, budget="2MiB", min_offload_bytes=0, spill_dir=str(tmp_path))
+    fit([callback], net)
+    for a, b in zip(plain.state_dict().values(), net.state_dict().values(), strict=True):
+        assert same_bits(a, b)
+    assert callback.lms.plan is None and callback.lms.stats.offloaded_tensors > 0
+    assert hooked and not any(hooked)  # the module's parameters are known from the start
+
+
 def test_infeasible_budget_fails_before_the_first_step(tmp_path):
     torch.manual_seed(0)
     model = Net()

@@ -97,6 +97,14 @@ class Checker:
         self.fingerprint = self.trace.fingerprint()
         self.num_entries = len(self.trace.entries())
         self._host_spans = host_spans(self.trace)
+        storages = self.trace.storages
+        self.pinned = frozenset(
+            ordinal
+            for ordinal, (storage, _, _) in enumerate(self.trace.entries())
+            if storages[storage].alloc_op < 0 or storage in self.trace.held
+        )
+        """Entries every plan keeps: inputs (held since before the step) and storages a kept
+        save holds; moving or recomputing one frees nothing."""
 
     def spill_for(self, offload: Iterable[int]) -> tuple[int, ...]:
         """Which of ``offload`` go to disk so that host memory holds the rest: `place_spill`."""
@@ -114,8 +122,8 @@ class Checker:
         source: str,
         recompute: Iterable[int] = (),
     ) -> Plan:
-        remade = set(recompute)
-        chosen = set(offload) - remade
+        remade = set(recompute) - self.pinned
+        chosen = set(offload) - remade - self.pinned
         stash = sorted(self.stash)
         meeting = self.trace.junction_ordinals() if stash else {}
         return Plan(

@@ -72,7 +72,7 @@ def plan_greedy(
         storage, nbytes, save_op = entries[ordinal]
         return nbytes * (first_use.get(storage, horizon) - save_op)
 
-    ranking = sorted(everything, key=pressure)
+    ranking = sorted(set(everything) - checker.pinned, key=pressure)  # pinned entries stay
 
     def spent() -> bool:
         return checker.simulations >= max_simulations

@@ -7,11 +7,13 @@ longest run of that ranking that can stay on the device, a greedy pass tries the
 and the prefetch distance is chosen for the shortest predicted step. That search runs from three
 starting sets of storages recomputed instead of moved (`lms.analysis.recompute`): replays cheaper
 than their copy with chains allowed, without chains, and only those bound by memory traffic.
-The best of each is refined: the largest offloaded tensors are traded for kept ones resident at
-the peak they would cause, more offloaded tensors are recomputed wherever that is predicted
-faster (or as fast, holding less off the device), and what that freed may stay. The fastest
-refined plan wins. Every step checks the candidate with the simulator, so the returned plan fits
-by construction.
+The best of each is refined, then the next best few with other kept sets (the fastest search is
+not always the one that refines best): the largest offloaded tensors are traded for kept ones
+resident at the peak they would cause, more offloaded tensors are recomputed wherever that is
+predicted faster (or as fast, holding less off the device), and what that freed may stay. The
+fastest refined plan is polished: single tensors move between kept, offloaded and recomputed
+while any such move is faster. Every step checks the candidate with the simulator, so the
+returned plan fits by construction.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ _COMBINED = 8
 """Offloaded tensors (the largest) whose pairs and triples are tried recomputed together."""
 _RECOMPUTE_ROUNDS = 3
 """Rounds of the recompute pass, each after the prefetch distance is chosen again."""
+_RUNNERS_UP = 2
+"""Searches refined after each starting set's fastest: its next fastest with other kept sets."""
+_Searched = tuple[float, set[int], int, int]
+"""A search's predicted step time, kept entries, swapin_ahead and sync_mode."""
 VARIANTS = ((1, 0), (2, 0), (4, 0), (8, 0), (1, 1), (2, 1), (1, 2), (1, 3))
 """(swapin_ahead, sync_mode) pairs the planner searches."""
 
@@ -46,7 +52,7 @@ def plan_greedy(
     budget_bytes: int,
     *,
     half: bool = False,
-    max_simulations: int = 3000,
+    max_simulations: int = 10000,
     first: str = "stash",
 ) -> Plan:
     """The plan with the shortest predicted step that fits ``budget_bytes``.
@@ -114,23 +120,34 @@ def plan_greedy(
         step_s = evaluate(kept, ahead, sync_mode)
         return (kept, step_s) if step_s is not None else None
 
-    # Each variant is searched from each starting set; the best search of each start is then
-    # refined (a greedy refinement can overtake from behind), and the fastest result wins.
-    found_by_start: dict[int, tuple[float, set[int], int, int]] = {}
+    # Each variant is searched from each starting set. The best search of each start is refined
+    # first (a greedy refinement can overtake from behind), then each start's runners-up; the
+    # fastest refined plan is polished.
+    searched: dict[int, list[_Searched]] = {}
     for ahead, sync_mode in VARIANTS:
         for number, choice in enumerate(starts):
             remake = choice
             found = search(ahead, sync_mode)
-            known = found_by_start.get(number)
-            if found is not None and (known is None or found[1] < known[0]):
-                found_by_start[number] = (found[1], found[0], ahead, sync_mode)
-    if not found_by_start:
+            if found is not None:
+                searched.setdefault(number, []).append((found[1], found[0], ahead, sync_mode))
+    if not searched:
         return checker.finish(minimum_plan, minimum)
+    fastest: list[tuple[int, _Searched]] = []
+    runners_up: list[tuple[int, _Searched]] = []
+    for number, searches in searched.items():
+        ranked = _other_kept_sets(sorted(searches, key=lambda item: item[0]))
+        fastest.append((number, ranked[0]))
+        runners_up.extend((number, item) for item in ranked[1 : 1 + _RUNNERS_UP])
     refined = [
         _refine(checker, starts[number], *found, spent, pressure)
-        for number, found in sorted(found_by_start.items(), key=lambda item: item[1][0])
+        for number, found in [
+            *sorted(fastest, key=lambda item: item[1][0]),
+            *sorted(runners_up, key=lambda item: item[1][0]),
+        ]
     ]
     step_s, plan, kept = min(refined, key=lambda item: item[0])
+    plan = _polish(checker, plan, step_s, spent)
+    kept = set(range(len(entries))) - set(plan.offload) - set(plan.recompute)
     result = checker.run(plan)
     log.info(
         "[LMS] [Planner] keep %d, offload %d, recompute %d of %d saved storages; "
@@ -189,6 +206,62 @@ def _refine(
         offload, ahead=ahead, sync_mode=sync_mode, source="planner", recompute=remade
     )
     return step_s, plan, kept
+
+
+def _polish(checker: Checker, plan: Plan, step_s: float, spent: Callable[[], bool]) -> Plan:
+    """Move single tensors, largest first, between kept, offloaded and recomputed wherever that
+    fits and shortens the predicted step, in passes until none does; the prefetch distance and
+    sync mode are chosen again after each pass that moved one. The refinement moves tensors one
+    way only (kept ones out, offloaded ones in or recomputed); a plan it leaves may still gain
+    from putting back a tensor it chose to recompute, or recomputing one it kept."""
+    found = recipes(checker.trace)
+    entries = checker.trace.entries()
+    offload, remade = set(plan.offload) | set(plan.recompute), set(plan.recompute)
+    ahead, sync_mode = plan.swapin_ahead, plan.sync_mode
+    order = sorted(set(range(len(entries))) - checker.pinned, key=lambda i: -entries[i][1])
+
+    def moves(ordinal: int) -> list[tuple[set[int], set[int]]]:
+        """(offload, remade) with ``ordinal`` kept, offloaded or recomputed, other than now."""
+        kept, out = offload - {ordinal}, offload | {ordinal}
+        recomputable = ordinal in found and _chains(found, remade - {ordinal}, ordinal, chains=True)
+        options = [
+            (kept, remade - {ordinal}),
+            (out, remade - {ordinal}),
+            *([(out, remade | {ordinal})] if recomputable else []),
+        ]
+        return [option for option in options if option != (offload, remade)]
+
+    moved = True
+    while moved and not spent():
+        moved = False
+        for ordinal in order:
+            for trial_offload, trial_remade in moves(ordinal):
+                if spent():
+                    break
+                trial = checker.plan(
+                    trial_offload,
+                    ahead=ahead,
+                    sync_mode=sync_mode,
+                    source="planner",
+                    recompute=trial_remade,
+                )
+                result = checker.run(trial)
+                if checker.fits(result) and result.step_s < step_s * 0.999:
+                    offload, remade, step_s = trial_offload, trial_remade, result.step_s
+                    moved = True
+                    break
+        if moved:
+            faster = _fastest_variant(checker, list(offload), remade, VARIANTS, step_s, spent)
+            if faster is not None:
+                step_s, ahead, sync_mode = faster
+    return checker.plan(
+        offload, ahead=ahead, sync_mode=sync_mode, source="planner", recompute=remade
+    )
+
+
+def _other_kept_sets(ranked: list[_Searched]) -> list[_Searched]:
+    """``ranked`` without the searches that kept the same set as a faster one."""
+    return [item for i, item in enumerate(ranked) if all(item[1] != o[1] for o in ranked[:i])]
 
 
 def _keeping(

@@ -14,6 +14,7 @@ from lms.analysis.simulate import op_seconds
 from lms.plan import Plan
 from lms.planning import plan_greedy
 from lms.planning.common import Checker
+from lms.planning.greedy import _chains, _polish
 from tests.conftest import assert_bitwise, run_step
 from tests.planning.test_planners import small_spec
 
@@ -358,3 +359,41 @@ def test_a_replay_with_other_bits_is_warned_and_moved_from_then_on(spill_dir, ca
     assert offload.stats.recomputed_tensors - first == len(plan.recompute) - 1
     assert offload.stats.replays_differed == 1  # only a plan's first step is checked
     offload.close()
+
+
+def _single_moves(checker, plan):
+    """Plans that differ from ``plan`` in one tensor kept, offloaded or recomputed instead."""
+    found = recipes(checker.trace)
+    offload, remade = set(plan.offload) | set(plan.recompute), set(plan.recompute)
+    for ordinal in sorted(set(range(plan.num_entries)) - checker.pinned):
+        others = remade - {ordinal}
+        moves = [(offload - {ordinal}, others), (offload | {ordinal}, others)]
+        if ordinal in found and _chains(found, others, ordinal, chains=True):
+            moves.append((offload | {ordinal}, remade | {ordinal}))
+        for moved, recomputed in moves:
+            if (moved, recomputed) != (offload, remade):
+                yield checker.plan(
+                    moved,
+                    ahead=plan.swapin_ahead,
+                    sync_mode=plan.sync_mode,
+                    source="planner",
+                    recompute=recomputed,
+                )
+
+
+def test_polishing_leaves_no_single_move_that_is_faster():
+    trace = _trace(_resnet, [torch.randn(2, 3, 128, 128)])
+    spec = dataclasses.replace(small_spec(), peak_flops=1e14)
+    plain = simulate(trace, None, spec)
+    _, floor = Checker(trace, spec, plain.peak_bytes).require_feasible()
+    budget = (floor.peak_bytes + plain.peak_bytes) // 2
+    checker = Checker(trace, spec, budget)
+    start, _ = checker.require_feasible()  # everything offloaded: far from the best plan
+    start_s = checker.run(start).step_s
+    plan = _polish(checker, start, start_s, lambda: False)
+    result = checker.run(plan)
+    assert checker.fits(result)
+    assert plan.recompute and result.step_s < start_s
+    for other in _single_moves(checker, plan):
+        moved = checker.run(other)
+        assert not checker.fits(moved) or moved.step_s >= result.step_s * 0.999

@@ -218,8 +218,8 @@ def tune_plan(
         choose: Any = planner or plan_auto
         if trace.compiled:
             log.info(
-                "[LMS] The model is compiled: its plan recomputes nothing, since a replay "
-                "would run it uncompiled (Note [Compiled models are not replayed])"
+                "[LMS] The model or the step is compiled: its plan recomputes nothing, since "
+                "a replay would run it uncompiled (Note [Compiled models are not replayed])"
             )
         plan = choose(trace, spec, budget, half=autocast is not None)
     # A cached plan too: the host budget and the spill disk's free space may differ now.

@@ -141,8 +141,8 @@ class Trace:
     junctions: tuple[JunctionRecord, ...] = ()
     """Gradient junctions of saved tensors, in first-save order of those tensors."""
     compiled: bool = False
-    """The model has parts compiled with ``torch.compile``: backward recomputes nothing
-    (Note [Compiled models are not replayed])."""
+    """The model has parts compiled with ``torch.compile``, or the step is compiled as a whole:
+    backward recomputes nothing (Note [Compiled models are not replayed])."""
 
     # -- derived -----------------------------------------------------------------------------
     @property

@@ -202,14 +202,25 @@ def trace_step(
         num_edges=recorder.edges,
         min_offload_bytes=min_offload_bytes,
         junctions=tuple(sorted(recorder.joined, key=lambda j: j.storage)),
-        compiled=any(_is_compiled(module) for module in built.modules()),
+        compiled=_is_compiled(step) or any(_is_compiled(module) for module in built.modules()),
     )
 
 
-def _is_compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module`` was compiled in place (``module.compile()``) or wraps a compiled one."""
-    compiled_call = getattr(module, "_compiled_call_impl", None)
-    return compiled_call is not None or type(module).__name__ == "OptimizedModule"
+def _is_compiled(thing: torch.nn.Module | Callable[..., Any]) -> bool:
+    """Whether ``thing`` is compiled with ``torch.compile``: a module compiled in place
+    (``module.compile()``), one that wraps a compiled one, one whose ``forward`` was replaced by
+    a compiled function, or a compiled function (such as a whole step)."""
+    if isinstance(thing, torch.nn.Module):
+        if getattr(thing, "_compiled_call_impl", None) is not None:
+            return True
+        if type(thing).__name__ == "OptimizedModule":
+            return True
+        thing = thing.forward
+    # What torch.compile returns keeps the original here; torch.compiler.disable's wrappers too,
+    # marked as disabled.
+    return getattr(thing, "_torchdynamo_orig_callable", None) is not None and not getattr(
+        thing, "_torchdynamo_disable", False
+    )
 
 
 @contextlib.contextmanager

@@ -1,5 +1,7 @@
 """Losses and gradients with everything offloaded equal the plain step bit for bit."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -248,24 +250,38 @@ def _conv_net():
     )
 
 
-def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(spill_dir):
+@pytest.mark.parametrize("where", ["model", "forward", "step"])
+def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(where, spill_dir):
     import torch._dynamo
 
     def step(model, batch):
-        model(*batch).float().square().mean().backward()
+        loss = model(*batch).float().square().mean()
+        loss.backward()
+        return loss
+
+    def run(model, step, ctx=None):
+        model.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            loss = step(model, [x])
+        return loss.detach().clone(), [p.grad.clone() for p in model.parameters()]
 
     x = torch.randn(8, 3, 32, 32)
     plans = []
     for compiled in (False, True):
         torch._dynamo.reset()  # past its recompile limit, dynamo would run the model eagerly
-        model = _conv_net()
-        if compiled:
-            model.compile()  # inductor: its kernels round otherwise than eager aten calls
-        ref = run_step(model, (x,))
-        offload = lms.LMS(budget="3MiB", tier="disk", spill_dir=spill_dir)
-        plans.append(offload.tune(model, [x], step, cache_dir=spill_dir))
+        model, compiled_step = _conv_net(), step
+        # inductor: its kernels round otherwise than eager aten calls
+        if compiled and where == "model":
+            model.compile()
+        elif compiled and where == "forward":
+            model.forward = torch.compile(model.forward)
+        elif compiled:
+            compiled_step = torch.compile(step)
+        ref = run(model, compiled_step)
+        offload = lms.LMS(budget="3MiB", tier="disk", spill_dir=spill_dir, model=model)
+        plans.append(offload.tune(model, [x], compiled_step, cache_dir=spill_dir))
         for _ in range(2):
-            assert_bitwise(ref, run_step(model, (x,), offload))
+            assert_bitwise(ref, run(model, compiled_step, offload))
         assert offload.stats.offloaded_tensors == 2 * len(plans[-1].offload)
         offload.close()
     assert plans[0].recompute and not plans[1].recompute  # a replay would run it uncompiled

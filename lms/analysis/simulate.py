@@ -119,11 +119,13 @@ def runtime_plan(trace: Trace, budget_bytes: int, *, swapin_ahead: int = 2) -> P
     """The plan `lms.LMS(budget=...)` follows on its own from the second step on.
 
     It keeps the newest saved tensors and offloads the oldest while the saved bytes would exceed
-    the budget less what was allocated before the first save and a reserve for the running op.
+    the budget less what was allocated before the first save and a reserve for the running op;
+    storages that a save kept in place holds stay (`Trace.held`).
     """
     entries = trace.entries()
     nbytes = [size for _, size, _ in entries]
-    chosen = policy.budget_offloads(nbytes, allowance(trace, budget_bytes))
+    held = {i for i, (storage, _, _) in enumerate(entries) if storage in trace.held}
+    chosen = policy.budget_offloads(nbytes, allowance(trace, budget_bytes), held)
     return Plan(
         fingerprint=trace.fingerprint(),
         offload=tuple(sorted(chosen)),

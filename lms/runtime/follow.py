@@ -92,7 +92,7 @@ class Follow:
                 step.offload_set = set(self.plan.offload)
             return entry.ordinal in step.offload_set
         record = step.record
-        if record is None or step.diverged:
+        if record is None or step.diverged or entry.held:
             return False
         ordinal = entry.ordinal
         if ordinal >= len(record.nbytes) or record.nbytes[ordinal] != entry.nbytes:
@@ -104,7 +104,7 @@ class Follow:
                 chosen |= policy.threshold_offloads(record, self.config.swapout_threshold)
             allowance = self.allowance(step)
             if allowance is not None:
-                chosen |= policy.budget_offloads(record.nbytes, allowance)
+                chosen |= policy.budget_offloads(record.nbytes, allowance, record.held)
             step.offload_set = chosen
         return ordinal in step.offload_set
 

@@ -134,16 +134,21 @@ class Keep:
     def __call__(self, tensor: torch.Tensor) -> bool:
         if offload_blocked():
             return True
+        return tensor.is_conj() or tensor.is_neg() or not self.movable(tensor)
+
+    def movable(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage is one the runtime may move, wherever it is saved: an
+        activation, large enough, in a layout it copies."""
         if type(tensor) is not torch.Tensor:  # parameters, subclasses, fake tensors
-            return True
+            return False
         base = tensor if tensor._base is None else tensor._base
         if base.is_leaf and base.requires_grad:  # a parameter, or a view of one (weight.t())
-            return True
-        if tensor.layout != torch.strided or tensor.is_conj() or tensor.is_neg():
-            return True
+            return False
+        if tensor.layout != torch.strided:
+            return False
         if tensor.device.type not in ("cpu", "cuda") or tensor.is_quantized:
-            return True
+            return False
         storage = tensor.untyped_storage()
         if storage.nbytes() < self.min_bytes:
-            return True
-        return storage.data_ptr() in self.fixed_ptrs
+            return False
+        return storage.data_ptr() not in self.fixed_ptrs

@@ -26,6 +26,8 @@ class StepRecord:
     """Bytes of each storage."""
     first_use_level: tuple[int | None, ...]
     """Level of each storage's first read in backward; None when backward never read it."""
+    held: frozenset[int] = frozenset()
+    """Ordinals of storages that a save kept in place (inside `lms.no_offload`) also held."""
 
     @property
     def use_order(self) -> list[int]:
@@ -59,16 +61,23 @@ def reserve_bytes(largest_bytes: int, *, backward: bool = False) -> int:
     return (BACKWARD_RESERVE_FACTOR if backward else RESERVE_FACTOR) * largest_bytes
 
 
-def budget_offloads(nbytes: list[int] | tuple[int, ...], allowance_bytes: int) -> set[int]:
+def budget_offloads(
+    nbytes: list[int] | tuple[int, ...],
+    allowance_bytes: int,
+    held: frozenset[int] | set[int] = frozenset(),
+) -> set[int]:
     """Ordinals to offload so that resident saved bytes never exceed ``allowance_bytes``.
 
     Replays the forward pass, keeping the newest tensors and evicting the oldest first, exactly as
-    the runtime does when it has no record.
+    the runtime does when it has no record. Storages in ``held`` stay and count as kept saves do
+    (not at all): moving one frees nothing.
     """
     offload: set[int] = set()
     resident: list[int] = []
     resident_bytes = 0
     for ordinal, size in enumerate(nbytes):
+        if ordinal in held:
+            continue
         resident.append(ordinal)
         resident_bytes += size
         while resident and resident_bytes > allowance_bytes:
@@ -79,5 +88,9 @@ def budget_offloads(nbytes: list[int] | tuple[int, ...], allowance_bytes: int) -
 
 
 def threshold_offloads(record: StepRecord, swapout_threshold: int) -> set[int]:
-    """Ordinals whose recorded distance reaches ``swapout_threshold``."""
-    return {i for i in range(len(record.nbytes)) if record.distance(i) >= swapout_threshold}
+    """Ordinals whose recorded distance reaches ``swapout_threshold`` (held ones stay)."""
+    return {
+        i
+        for i in range(len(record.nbytes))
+        if record.distance(i) >= swapout_threshold and i not in record.held
+    }

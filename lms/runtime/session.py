@@ -281,6 +281,8 @@ class LMS:
                 step.saved_nodes.append(tensor.grad_fn)
             if self._keep(tensor):
                 self.stats.kept_tensors += 1
+                if self._keep.movable(tensor):
+                    self._note_held(step, tensor)
                 return tensor
             self._offloader.poll()
             storage = tensor.untyped_storage()
@@ -298,6 +300,22 @@ class LMS:
                 self._relief.note(step, self.plan, entry, tensor)
             entry.handles += 1
             return Handle(self._drop_handle, entry, tensor)
+
+    def _note_held(self, step: Step, tensor: torch.Tensor) -> None:
+        """A save kept in place (inside `no_offload`, or a conjugate view) holds ``tensor``'s
+        storage on the device for as long as autograd keeps it: without a plan, the runtime
+        never moves that storage (with one, the planner kept it already; see `Trace.held`)."""
+        storage = tensor.untyped_storage()
+        slot = (str(tensor.device), storage.data_ptr())
+        step.held[slot] = weakref.ref(storage)
+        found = self._by_storage.get(slot)
+        if found is None or found[0]() is not storage or not step.owns(found[1]):
+            return
+        entry = found[1]
+        entry.held = True
+        if entry in step.resident and not self._follow.following(step):
+            step.resident.remove(entry)  # stays with the save that holds it
+            step.resident_bytes -= entry.nbytes
 
     @staticmethod
     def _joins(entry: Entry, base: torch.Tensor) -> bool:
@@ -322,6 +340,8 @@ class LMS:
     ) -> Entry:
         entry = Entry(next(self._keys), len(step.entries), storage, device)
         entry.base = weakref.ref(base)
+        holder = step.held.get((str(device), storage.data_ptr()))
+        entry.held = holder is not None and holder() is storage
         self._live[entry.key] = entry
         step.entries.append(entry)
         step.save_level[entry.ordinal] = step.level
@@ -337,6 +357,8 @@ class LMS:
         elif self._follow.offloads(step, entry):
             self._offload(entry)
             self._evict(step)
+        elif entry.held and not self._follow.following(step):
+            pass  # stays with the save that holds it, counted as kept saves are
         else:
             step.resident.append(entry)
             step.resident_bytes += entry.nbytes

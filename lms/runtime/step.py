@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,8 @@ class Step:
         self.walked = False
         self.light = False  # saves pass through untouched (see LMS._calibrate)
         self.saved_storage_bytes = 0  # bytes of the storages of every save, shared ones again
+        self.held: dict[tuple[str, int], weakref.ref[torch.UntypedStorage]] = {}
+        """Storages that saves kept in place hold, by (device, address)."""
 
     def owns(self, entry: Entry) -> bool:
         return entry.ordinal < len(self.entries) and self.entries[entry.ordinal] is entry
@@ -76,6 +79,7 @@ class Step:
             save_level=tuple(self.save_level[e.ordinal] for e in self.entries),
             nbytes=tuple(e.nbytes for e in self.entries),
             first_use_level=tuple(self.first_use.get(e.ordinal) for e in self.entries),
+            held=frozenset(e.ordinal for e in self.entries if e.held),
         )
 
     def backward_queue(self) -> list[Entry]:

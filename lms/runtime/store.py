@@ -52,6 +52,7 @@ class Entry:
         "copied_version",
         "back",
         "recipe",
+        "held",
     )
 
     def __init__(self, key: int, ordinal: int, storage: torch.UntypedStorage, device: torch.device):
@@ -76,6 +77,7 @@ class Entry:
         self.copied_version: int | None = None  # the base's version when the copy was taken
         self.back = False  # brought back to the device since it was offloaded
         self.recipe: Any = None  # set when backward recomputes it instead
+        self.held = False  # a save kept in place holds its storage: moving it frees nothing
 
     def note_copied(self) -> None:
         """Remember its base's version as its bytes leave the device (copied out, or dropped to be

@@ -132,3 +132,22 @@ def test_moving_a_storage_a_kept_save_holds_frees_nothing_in_the_simulator():
     budget = int(simulate(trace, None, device_spec("cpu")).peak_bytes * 0.85)
     plan = plan_auto(trace, device_spec("cpu"), budget)
     assert plan.offload and not held & {*plan.offload, *plan.recompute}
+
+
+@pytest.mark.parametrize("policy", ["budget", "threshold"])
+def test_without_a_plan_a_storage_a_kept_save_holds_stays_from_the_second_step(policy, tmp_path):
+    model, inputs = _model(edited=True)
+    ref = run_step(model, inputs)
+    trace = trace_step(model, inputs, _step, device="cpu")
+    assert trace.held  # b's input and output, saved in a and c too
+    setting = {"budget": "1MiB"} if policy == "budget" else {"swapout_threshold": 1}
+    offload = lms.LMS(**setting, tier="disk", spill_dir=str(tmp_path))
+    moved = []
+    for _ in range(3):
+        before = offload.stats.offloaded_tensors
+        assert_bitwise(ref, run_step(model, inputs, offload))
+        moved.append(offload.stats.offloaded_tensors - before)
+    # the first step learns which storages kept saves hold only after it moved them
+    assert moved[1] == moved[2] == len(trace.entries()) - len(trace.held) < moved[0]
+    assert offload.plan is None
+    offload.close()

@@ -264,14 +264,9 @@ class _Residency:
         """On the device until copied out, and again from each load to the use it serves."""
         clock = self.clock
         begin, finish = self._begin(record), clock.op_end(record.free_op)
-        if record.alloc_op < 0:
-            # Held outside autograd since before the step (an input): the copy frees nothing.
-            # (What comes back is a second copy, not counted: Note [Inputs in plans].)
-            self._hold(ordinal, finish, record.nbytes)
-            self._add(record, begin, finish)
-            return
-        if record.id in clock.trace.held:
-            # Held by a save that stays: the copy frees nothing, and what comes back is another.
+        if record.alloc_op < 0 or record.id in clock.trace.held:
+            # Held outside autograd since before the step (an input), or by a save that stays:
+            # the copy frees nothing, and what comes back is another copy.
             self._add(record, begin, finish)
         else:
             out = max(clock.out_done[ordinal], clock.op_end(record.last_forward_op))

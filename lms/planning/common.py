@@ -98,18 +98,17 @@ class Checker:
         self.num_entries = len(self.trace.entries())
         self._host_spans = host_spans(self.trace)
         # Note: [Inputs in plans]
-        # An input, held by the caller since before the step, frees nothing when moved either,
-        # and comes back as a second copy. Plans may still move one, and the simulator does not
-        # count that copy: counting it, or pinning inputs, sent the local search to other plans,
-        # faster at some sizes and slower at others (ResNet50 on the H100 spec at 8000 px: 89%
-        # overhead instead of 80%), so it waits for a search that does not swing so.
+        # An input, held by the caller since before the step, frees nothing when moved, and what
+        # comes back is a second copy (which the simulator counts, for plans made otherwise, such
+        # as the runtime's budget policy): plans keep inputs.
+        storages = self.trace.storages
         self.pinned = frozenset(
             ordinal
             for ordinal, (storage, _, _) in enumerate(self.trace.entries())
-            if storage in self.trace.held
+            if storages[storage].alloc_op < 0 or storage in self.trace.held
         )
-        """Entries every plan keeps: storages a kept save holds (moving or recomputing one frees
-        nothing)."""
+        """Entries every plan keeps: inputs (held since before the step) and storages a kept
+        save holds; moving or recomputing one frees nothing."""
 
     def spill_for(self, offload: Iterable[int]) -> tuple[int, ...]:
         """Which of ``offload`` go to disk so that host memory holds the rest: `place_spill`."""

@@ -124,14 +124,16 @@ def test_moving_a_storage_a_kept_save_holds_frees_nothing_in_the_simulator():
 
     everything = set(range(len(ordinal)))
     assert peak(everything) >= peak(everything - held)  # brought back, they are copies more
-    # so no plan moves them
+    # so no plan moves them, nor the input (held by the caller since before the step)
+    inputs = {i for storage, i in ordinal.items() if trace.storages[storage].alloc_op < 0}
+    assert inputs
     checker = Checker(trace, device_spec("cpu"), budget_bytes=2**40)
     asked = checker.plan(everything, recompute=everything, source="test")
-    assert checker.pinned == held
-    assert set(asked.recompute) == everything - held and not asked.offload
+    assert checker.pinned == held | inputs
+    assert set(asked.recompute) == everything - held - inputs and not asked.offload
     budget = int(simulate(trace, None, device_spec("cpu")).peak_bytes * 0.85)
     plan = plan_auto(trace, device_spec("cpu"), budget)
-    assert plan.offload and not held & {*plan.offload, *plan.recompute}
+    assert plan.offload and not (held | inputs) & {*plan.offload, *plan.recompute}
 
 
 @pytest.mark.parametrize("policy", ["budget", "threshold"])

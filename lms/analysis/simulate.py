@@ -120,11 +120,18 @@ def runtime_plan(trace: Trace, budget_bytes: int, *, swapin_ahead: int = 2) -> P
 
     It keeps the newest saved tensors and offloads the oldest while the saved bytes would exceed
     the budget less what was allocated before the first save and a reserve for the running op;
-    storages that a save kept in place holds stay (`Trace.held`).
+    storages that a save kept in place holds (`Trace.held`) and the step's inputs, which the
+    caller holds, stay (the runtime finds both moved and still alive at the end of its first
+    step).
     """
     entries = trace.entries()
     nbytes = [size for _, size, _ in entries]
-    held = {i for i, (storage, _, _) in enumerate(entries) if storage in trace.held}
+    storages = trace.storages
+    held = {
+        i
+        for i, (storage, _, _) in enumerate(entries)
+        if storage in trace.held or storages[storage].alloc_op < 0
+    }
     chosen = policy.budget_offloads(nbytes, allowance(trace, budget_bytes), held)
     return Plan(
         fingerprint=trace.fingerprint(),

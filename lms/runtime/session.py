@@ -170,6 +170,8 @@ class LMS:
         with self._lock:
             self._release_dropped()
             step = self._step
+            if step is not None and not step.light:
+                step.note_held_outside()
             if step is not None and step.number == 1 and step.entries:
                 self._log_step(step)
             if (
@@ -341,7 +343,10 @@ class LMS:
         entry = Entry(next(self._keys), len(step.entries), storage, device)
         entry.base = weakref.ref(base)
         holder = step.held.get((str(device), storage.data_ptr()))
-        entry.held = holder is not None and holder() is storage
+        record = step.record
+        entry.held = (holder is not None and holder() is storage) or (
+            record is not None and not step.diverged and entry.ordinal in record.held
+        )
         self._live[entry.key] = entry
         step.entries.append(entry)
         step.save_level[entry.ordinal] = step.level

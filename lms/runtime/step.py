@@ -74,6 +74,15 @@ class Step:
     def owns(self, entry: Entry) -> bool:
         return entry.ordinal < len(self.entries) and self.entries[entry.ordinal] is entry
 
+    def note_held_outside(self) -> None:
+        """At the end of a step that ran backward, a storage the runtime moved whose device copy
+        is still alive is held by something else: the caller's input batch, an output kept for
+        a metric, a tensor a module caches. Moving it freed nothing and bringing it back made a
+        second copy: the record marks it held, so that later steps without a plan keep it."""
+        for entry in self.entries:
+            if entry.storage is None and entry.pending_out is None and entry.origin() is not None:
+                entry.held = True
+
     def to_record(self) -> policy.StepRecord:
         return policy.StepRecord(
             save_level=tuple(self.save_level[e.ordinal] for e in self.entries),

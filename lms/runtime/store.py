@@ -53,6 +53,7 @@ class Entry:
         "back",
         "recipe",
         "held",
+        "origin",
     )
 
     def __init__(self, key: int, ordinal: int, storage: torch.UntypedStorage, device: torch.device):
@@ -78,6 +79,7 @@ class Entry:
         self.back = False  # brought back to the device since it was offloaded
         self.recipe: Any = None  # set when backward recomputes it instead
         self.held = False  # a save kept in place holds its storage: moving it frees nothing
+        self.origin = weakref.ref(storage)  # the device storage, alive while anything holds it
 
     def note_copied(self) -> None:
         """Remember its base's version as its bytes leave the device (copied out, or dropped to be

@@ -149,7 +149,34 @@ def test_without_a_plan_a_storage_a_kept_save_holds_stays_from_the_second_step(p
         before = offload.stats.offloaded_tensors
         assert_bitwise(ref, run_step(model, inputs, offload))
         moved.append(offload.stats.offloaded_tensors - before)
-    # the first step learns which storages kept saves hold only after it moved them
-    assert moved[1] == moved[2] == len(trace.entries()) - len(trace.held) < moved[0]
+    # the first step learns only after it moved them which storages kept saves hold, and which
+    # the caller holds: the input, and the output (saved by the last Tanh) that run_step keeps
+    storages = [storage for storage, _, _ in trace.entries()]
+    inputs = {s for s in storages if trace.storages[s].alloc_op < 0}
+    assert len(inputs) == 1 and storages[-1] not in trace.held | inputs
+    held = trace.held | inputs | {storages[-1]}
+    assert moved[1] == moved[2] == len(storages) - len(held) < moved[0]
     assert offload.plan is None
+    offload.close()
+
+
+@pytest.mark.parametrize("caller_holds", [True, False])
+def test_without_a_plan_what_the_caller_holds_stays_from_the_second_step(caller_holds, tmp_path):
+    model, (x,) = _model()
+    offload = lms.LMS(budget="1MiB", tier="disk", spill_dir=str(tmp_path))
+    moved, losses = [], []
+    for _ in range(3):
+        before = offload.stats.offloaded_tensors
+        batch = x if caller_holds else x.clone()  # cloned: autograd's save is the only holder
+        with offload:
+            loss = _step(model, [batch])
+            del batch
+        losses.append(loss.item())
+        moved.append(offload.stats.offloaded_tensors - before)
+    saved = 7  # the input and the six Tanh outputs (each read again by the next Linear)
+    if caller_holds:  # moving the input freed nothing: from the second step it stays
+        assert moved == [saved, saved - 1, saved - 1]
+    else:
+        assert moved == [saved] * 3
+    assert losses[0] == losses[1] == losses[2]
     offload.close()

@@ -158,7 +158,7 @@ def trace_step(
         )
         leave_modules()
         try:
-            with tracker, recorder, recorder.forward_nodes, hooks:
+            with tracker, recorder, recorder.forward_nodes, hooks, _eager():
                 with amp:
                     result = step(built, inputs)
                 if opt is not None:
@@ -221,6 +221,19 @@ def _is_compiled(thing: torch.nn.Module | Callable[..., Any]) -> bool:
     return getattr(thing, "_torchdynamo_orig_callable", None) is not None and not getattr(
         thing, "_torchdynamo_disable", False
     )
+
+
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    """Compiled functions run eagerly inside the trace.
+
+    Note: [The trace leaves compiled code alone]
+    Under PyTorch 2.11, calling a compiled step or forward under the trace's fake and dispatch
+    modes left its frame running eagerly ever after: the user's compiled steps lost inductor's
+    kernels (and its rounding) once tuned. Forcing eager here keeps dynamo's caches as they were.
+    """
+    with torch.compiler.set_stance("force_eager"):
+        yield
 
 
 @contextlib.contextmanager

@@ -280,6 +280,7 @@ def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(where, spil
         ref = run(model, compiled_step)
         offload = lms.LMS(budget="3MiB", tier="disk", spill_dir=spill_dir, model=model)
         plans.append(offload.tune(model, [x], compiled_step, cache_dir=spill_dir))
+        assert_bitwise(ref, run(model, compiled_step))  # tuning left the compiled code as it was
         for _ in range(2):
             assert_bitwise(ref, run(model, compiled_step, offload))
         assert offload.stats.offloaded_tensors == 2 * len(plans[-1].offload)

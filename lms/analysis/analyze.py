@@ -197,6 +197,10 @@ def report_for(
     Logs the `[LMS]` lines and returns the `Report`; ``planner`` is as in `analyze`.
     """
     plain = simulate(trace, None, spec, half=half)
+    # The analysis comes first, as in TFLMS v2; the planner's own lines follow it.
+    head = Report(trace, spec, budget, plain, None, None, trace_seconds, 0.0).lines()
+    for line in head:
+        log.info("%s", line)
     plan = planned = None
     started = time.perf_counter()
     if plain.peak_bytes > budget:
@@ -227,7 +231,8 @@ def report_for(
         )
     tune_seconds = time.perf_counter() - started
     report = Report(trace, spec, budget, plain, plan, planned, trace_seconds, tune_seconds)
-    report.log()
+    for line in report.lines()[len(head) :]:
+        log.info("%s", line)
     return report
 
 

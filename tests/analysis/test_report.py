@@ -121,6 +121,17 @@ def test_lines_say_what_tflms_said(report):
     assert "Predicted peak with LMS" in text
 
 
+def test_the_analysis_is_logged_before_the_planner_speaks(caplog):
+    with caplog.at_level("INFO", logger="lms"):
+        analyze(deep, lambda: [torch.randn(8, 3, 128, 128)], gpu_memory="570MiB", name="net")
+    logged = [record.getMessage() for record in caplog.records]
+    order = [
+        next(i for i, line in enumerate(logged) if marker in line)
+        for marker in ("Analyzing net", "LMS is needed", "[Planner]", "Predicted peak with LMS")
+    ]
+    assert order == sorted(order), logged
+
+
 def test_plot_writes_a_png(report, tmp_path):
     path = tmp_path / "memory.png"
     report.plot(path)

@@ -7,8 +7,11 @@ needs 90 GiB on a GPU traces in seconds on a small CPU machine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
+import sys
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -158,7 +161,7 @@ def trace_step(
         )
         leave_modules()
         try:
-            with tracker, recorder, recorder.forward_nodes, hooks, _eager():
+            with tracker, recorder, recorder.forward_nodes, hooks, _eager() as watch:
                 with amp:
                     result = step(built, inputs)
                 if opt is not None:
@@ -202,7 +205,9 @@ def trace_step(
         num_edges=recorder.edges,
         min_offload_bytes=min_offload_bytes,
         junctions=tuple(sorted(recorder.joined, key=lambda j: j.storage)),
-        compiled=_is_compiled(step) or any(_is_compiled(module) for module in built.modules()),
+        compiled=watch.entered
+        or _is_compiled(step)
+        or any(_is_compiled(module) for module in built.modules()),
     )
 
 
@@ -223,17 +228,58 @@ def _is_compiled(thing: torch.nn.Module | Callable[..., Any]) -> bool:
     )
 
 
+class _Watch:
+    """What `_eager` saw: whether the step entered a compiled function."""
+
+    entered = False
+
+
+@functools.cache
+def _compiled_entry() -> types.CodeType | None:
+    """The code every function `torch.compile` returns runs first (a module compiled in place
+    or wrapped calls one too); None where torch.compile is not available."""
+    try:
+        wrapper = torch.compile(_identity)
+    except Exception:  # an interpreter torch.compile does not support
+        return None
+    return getattr(wrapper, "__code__", None)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
 @contextlib.contextmanager
-def _eager() -> Iterator[None]:
-    """Compiled functions run eagerly inside the trace.
+def _eager() -> Iterator[_Watch]:
+    """Compiled functions run eagerly inside the trace, which watches for them.
 
     Note: [The trace leaves compiled code alone]
     Under PyTorch 2.11, calling a compiled step or forward under the trace's fake and dispatch
     modes left its frame running eagerly ever after: the user's compiled steps lost inductor's
     kernels (and its rounding) once tuned. Forcing eager here keeps dynamo's caches as they were.
+
+    A compiled function anywhere in the step (one a module's forward calls, however deep) is seen
+    entering: a profile function (this thread's, for the trace only, removed at the first one)
+    waits for the code of torch.compile's wrapper. `torch.compiler.disable`'s wrappers run other
+    code. Under a profiler already installed (cProfile), only what `_is_compiled` finds is seen.
     """
+    watch = _Watch()
+    entry = _compiled_entry()
+
+    def profile(frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is entry:
+            watch.entered = True
+            sys.setprofile(None)
+
+    install = entry is not None and sys.getprofile() is None
     with torch.compiler.set_stance("force_eager"):
-        yield
+        if install:
+            sys.setprofile(profile)
+        try:
+            yield watch
+        finally:
+            if install:
+                sys.setprofile(None)
 
 
 @contextlib.contextmanager

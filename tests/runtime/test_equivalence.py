@@ -234,6 +234,24 @@ def test_a_named_model_is_kept_without_a_hook_on_every_module_call(spill_dir):
         lms.LMS(model=[model, "head"])
 
 
+def _middle(conv, x):
+    return torch.sin(conv(x)) * x
+
+
+_compiled_middle = torch.compile(_middle)
+
+
+class _Middle(nn.Module):
+    """Calls `_middle`, compiled or not, through a global: nothing on the module shows which."""
+
+    def __init__(self, conv, compiled):
+        super().__init__()
+        self.conv, self.compiled = conv, compiled
+
+    def forward(self, x):
+        return (_compiled_middle if self.compiled else _middle)(self.conv, x)
+
+
 def _conv_net():
     torch.manual_seed(0)
     return nn.Sequential(
@@ -250,7 +268,7 @@ def _conv_net():
     )
 
 
-@pytest.mark.parametrize("where", ["model", "forward", "step"])
+@pytest.mark.parametrize("where", ["model", "forward", "step", "function"])
 def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(where, spill_dir):
     import torch._dynamo
 
@@ -271,14 +289,17 @@ def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(where, spil
         torch._dynamo.reset()  # past its recompile limit, dynamo would run the model eagerly
         model, compiled_step = _conv_net(), step
         # inductor: its kernels round otherwise than eager aten calls
+        if where == "function":  # a function the model calls, compiled or not
+            model[3] = _Middle(model[3], compiled)
         if compiled and where == "model":
             model.compile()
         elif compiled and where == "forward":
             model.forward = torch.compile(model.forward)
-        elif compiled:
+        elif compiled and where == "step":
             compiled_step = torch.compile(step)
         ref = run(model, compiled_step)
-        offload = lms.LMS(budget="3MiB", tier="disk", spill_dir=spill_dir, model=model)
+        budget = "4MiB" if where == "function" else "3MiB"  # its product is one more tensor
+        offload = lms.LMS(budget=budget, tier="disk", spill_dir=spill_dir, model=model)
         plans.append(offload.tune(model, [x], compiled_step, cache_dir=spill_dir))
         assert_bitwise(ref, run(model, compiled_step))  # tuning left the compiled code as it was
         for _ in range(2):

@@ -1,7 +1,8 @@
 """`lms demo`: analyze a real model's step, then train it past a budget with LMS.
 
-On a CPU machine the budget caps the step's growth of resident memory and offloaded tensors go to
-spill files; on a CUDA machine it caps device memory and they go to pinned host memory.
+On a CPU machine the budget caps the step's growth of the C heap in use (Note [The C heap in use,
+not the resident set, measures a CPU step]) and offloaded tensors go to spill files; on a CUDA
+machine it caps device memory and they go to pinned host memory.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tqdm import tqdm
 
 from lms._units import format_bytes
 from lms.analysis import report_for, simulate, trace_step
-from lms.bench.rss import PeakRSS
+from lms.bench.memory import PeakMemory, heap_in_use_bytes
 from lms.runtime import LMS
 from lms.tuning import local_device_spec
 from lms.zoo import zoo_model
@@ -73,14 +74,14 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     assert entry.step_fn is not None
     plan = report.plan if report.plan is not None and report.plan.source != "infeasible" else None
     offload = LMS(budget=budget, plan=plan)
-    times, peaks = [], []
+    times, peaks, resident = [], [], []
     for _ in tqdm(range(steps), desc="training with LMS", unit="step"):
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if cuda else 0
-        with PeakRSS() as rss:
+        with PeakMemory() as memory:
             start = time.perf_counter()
             with offload:
                 loss = entry.step_fn(model, [images, labels])
@@ -88,7 +89,8 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        peaks.append(torch.cuda.max_memory_allocated() - base if cuda else rss.growth_bytes)
+        peaks.append(torch.cuda.max_memory_allocated() - base if cuda else memory.growth_bytes)
+        resident.append(memory.rss_growth_bytes)
     offload.close()
 
     steady = times[1:] or times
@@ -96,19 +98,30 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     pixels = batch * entry.elements(size)
     measured = max(peaks[1:] or peaks)
     simulated = report.planned or report.plain
-    # What the step adds on top of parameters, buffers and inputs (on the CPU: RSS growth).
+    # What the step adds on top of parameters, buffers and inputs (on the CPU: heap growth).
     before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
     predicted = simulated.peak_tensor_bytes - (0 if cuda else before)
     stats = offload.stats
+    heap = heap_in_use_bytes()
+    what = "resident set growth" if heap is None else "growth of the heap in use"
     lines = [
         f"[LMS] Trained {steps} steps of {MODEL} {size}x{size} batch {batch} on {device.type}; "
         f"last loss {loss.item():.4f}",
         f"[LMS] Throughput: {batch / step_s:.2f} images/s, {pixels / step_s / 1e6:.2f} "
         f"megapixels/s ({step_s:.2f} s per step after the first)",
-        f"[LMS] Measured peak {'device memory' if cuda else 'RSS growth'}: "
+        f"[LMS] Measured peak {'device memory' if cuda else what}: "
         f"{format_bytes(measured)} against a budget of {format_bytes(budget)}; simulated "
         f"{format_bytes(predicted)} ({measured / predicted - 1:+.1%}); without LMS "
         f"{format_bytes(plain_peak)}",
+        *(
+            []
+            if cuda or heap is None
+            else [
+                "[LMS] The resident set grew by up to "
+                f"{format_bytes(max(resident[1:] or resident))} a step (glibc keeps freed heap "
+                "memory resident for reuse)"
+            ]
+        ),
         f"[LMS] Offloaded {format_bytes(stats.offloaded_bytes / max(stats.steps, 1))} per step "
         f"({stats.offloaded_tensors // max(stats.steps, 1)} storages) to "
         f"{'host memory' if cuda else 'spill files'}; waited "

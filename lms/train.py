@@ -2,8 +2,8 @@
 
 Methods: ``none`` (plain), ``lms`` (this library, tuned to the budget), ``save_on_cpu``
 (`torch.autograd.graph.save_on_cpu`), ``checkpoint`` (non-reentrant activation checkpointing of
-every block). Memory is the device's peak allocation on a GPU, or the growth of resident memory
-over a step on the CPU.
+every block). Memory is the device's peak allocation on a GPU, or on the CPU the growth of the C
+heap in use over a step (Note [The C heap in use, not the resident set, measures a CPU step]).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from lms._units import format_bytes, format_rate
-from lms.bench.rss import PeakRSS
+from lms.bench.memory import PeakMemory
 from lms.errors import LMSError, step_failed
 from lms.runtime import LMS
 from lms.runtime.keep import no_offload_in, submodules
@@ -46,12 +46,15 @@ class TrainResult:
     elements_per_s: float
     unit: str
     peak_bytes: int
-    """Peak device allocation (GPU) or peak RSS growth over a step (CPU)."""
+    """Peak device allocation (GPU) or the peak growth of the C heap in use over a step (CPU; the
+    resident set's where the heap is not counted: `lms.bench.memory`)."""
     device: str
     loss: float
     lms_stats: dict[str, float] | None
     plan: dict[str, Any] | None = None
     """With LMS tuned: the plan's predicted peak and overhead, and how many storages it moves."""
+    rss_growth_bytes: int | None = None
+    """On a CPU: the resident set's peak growth over a step, for reference."""
 
 
 class _Checkpointed(torch.nn.Module):
@@ -142,13 +145,14 @@ def train(
 
     times: list[float] = []
     peaks: list[int] = []
+    resident: list[int] = []
     loss = torch.zeros(())
     for _ in tqdm(range(steps), desc=f"{model_name} {size} {method}", disable=not progress):
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(target)
             torch.cuda.reset_peak_memory_stats(target)
-        with PeakRSS() as rss:
+        with PeakMemory() as memory:
             start = time.perf_counter()
             amp_context = torch.autocast(target.type, dtype=autocast) if autocast else _nothing()
             try:
@@ -165,7 +169,8 @@ def train(
             if cuda:
                 torch.cuda.synchronize(target)
             times.append(time.perf_counter() - start)
-        peaks.append(torch.cuda.max_memory_allocated(target) if cuda else rss.growth_bytes)
+        peaks.append(torch.cuda.max_memory_allocated(target) if cuda else memory.growth_bytes)
+        resident.append(memory.rss_growth_bytes)
     steady = times[1:] or times
     step_s = sum(steady) / len(steady)
     result = TrainResult(
@@ -183,6 +188,7 @@ def train(
         loss=float(loss.detach().float()),
         lms_stats=offload.stats.as_dict() if offload is not None else None,
         plan=_plan_summary(offload),
+        rss_growth_bytes=None if cuda else max(resident[1:] or resident),
     )
     if offload is not None:
         offload.close()
@@ -198,7 +204,7 @@ def train(
         result.samples_per_s,
         format_rate(result.elements_per_s, entry.unit),
         format_bytes(result.peak_bytes),
-        "" if cuda else " (RSS growth)",
+        "" if cuda else f" heap growth ({format_bytes(result.rss_growth_bytes or 0)} resident)",
     )
     return result
 

@@ -293,7 +293,7 @@ SCRIPT = MODEL + textwrap.dedent(
     """
     import json, sys, lms
     from lms.analysis import simulate, trace_step
-    from lms.bench.rss import PeakRSS
+    from lms.bench.memory import PeakMemory
     from lms.plan import Plan
     from lms.tuning import local_device_spec
 
@@ -315,9 +315,9 @@ SCRIPT = MODEL + textwrap.dedent(
         model.zero_grad(set_to_none=True)
         with offload:
             loss = model(x).mean()
-            with PeakRSS() as rss:
+            with PeakMemory() as memory:
                 loss.backward()
-        peaks.append(rss.growth_bytes)
+        peaks.append(memory.growth_bytes)
     print(json.dumps({"measured": min(peaks[1:]), "simulated": peak - at_start,
                       "relieved": offload.stats.relieved_partials}))
     """

@@ -1,17 +1,17 @@
 """Memory measured in a fresh process: a tuned plan stays within its budget on the CPU, and the
-simulator predicts the growth of resident memory within 10%, recomputed chains included."""
+simulator predicts the growth of the C heap in use within 2%, recomputed chains included."""
 
 import json
 import subprocess
 import sys
 import textwrap
 
-# A channels-last conv stack (one layer: conv, then each of `layer`), its step, and the peak RSS
-# growth of steps 2 and 3 under an `LMS`.
+# A channels-last conv stack (one layer: conv, then each of `layer`), its step, and the peak growth
+# of the C heap in use over each of three steps under an `LMS` (`lms.bench.memory`).
 COMMON = textwrap.dedent(
     """
     import dataclasses, json, sys, torch, lms
-    from lms.bench.rss import PeakRSS
+    from lms.bench.memory import PeakMemory
     from lms.analysis import simulate, trace_step
     from lms.tuning import local_device_spec
     torch.manual_seed(0)
@@ -33,11 +33,11 @@ COMMON = textwrap.dedent(
         peaks = []
         for _ in range(3):
             model.zero_grad(set_to_none=True)
-            with PeakRSS() as rss:
+            with PeakMemory() as memory:
                 with offload:
                     step(model, [x])
-            peaks.append(rss.growth_bytes)
-        return max(peaks[1:])
+            peaks.append(memory.growth_bytes)
+        return peaks
     """
 )
 
@@ -96,15 +96,16 @@ def _run(script, *args):
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_tuned_plan_keeps_rss_growth_within_budget_and_prediction(tmp_path):
+def test_tuned_plan_keeps_heap_growth_within_budget_and_prediction(tmp_path):
     result = _run(SCRIPT, "200", str(tmp_path))
     assert result["offloaded"] > 0
-    assert result["measured"] <= result["budget"], result
-    assert abs(result["measured"] / result["simulated"] - 1) <= 0.10, result
+    assert max(result["measured"]) <= result["budget"], result  # the first step too
+    assert abs(max(result["measured"][1:]) / result["simulated"] - 1) <= 0.02, result
 
 
-def test_recomputed_chains_grow_rss_as_simulated(tmp_path):
+def test_recomputed_chains_grow_the_heap_as_simulated(tmp_path):
     result = _run(CHAINS, str(tmp_path))
     assert result["chained"] > 0
-    assert result["measured"] < result["plain"] / 2, result
-    assert abs(result["measured"] / result["simulated"] - 1) <= 0.10, result
+    steady = max(result["measured"][1:])  # the first step also checks each replay's bits
+    assert steady < result["plain"] / 2, result
+    assert abs(steady / result["simulated"] - 1) <= 0.02, result

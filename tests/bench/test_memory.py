@@ -1,0 +1,62 @@
+"""Measuring a CPU step: the C heap in use counts what the block allocates, however much of it
+glibc already held resident (Note [The C heap in use, not the resident set, measures a CPU
+step])."""
+
+import json
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from lms.bench.memory import PeakMemory, heap_in_use_bytes
+
+GLIBC = platform.libc_ver()[0] == "glibc" and tuple(
+    int(part) for part in platform.libc_ver()[1].split(".")[:2]
+) >= (2, 33)
+
+# 256 chunks of 1 MiB, allocated, freed, then allocated again inside the block: glibc serves the
+# second round from the heap the first left resident (an 8 MiB block freed first raises its mmap
+# threshold above 1 MiB; a small tensor allocated after the chunks keeps the heap from shrinking).
+SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from lms.bench.memory import PeakMemory
+    torch.empty(2**21)  # 8 MiB, freed at once
+    chunks = [torch.ones(2**18) for _ in range(256)]
+    top = torch.ones(2**12)
+    del chunks
+    with PeakMemory() as memory:
+        again = [torch.ones(2**18) for _ in range(256)]
+    del again
+    with PeakMemory() as idle:
+        pass
+    print(json.dumps({"heap": memory.heap_growth_bytes, "rss": memory.rss_growth_bytes,
+                      "idle": idle.growth_bytes}))
+    """
+)
+
+
+@pytest.mark.skipif(not GLIBC, reason="counts the heap through glibc's mallinfo2 (2.33 and later)")
+def test_the_heap_counts_what_the_block_allocates_even_where_it_stays_resident():
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, check=True
+    ).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    mib = 2**20
+    assert 256 * mib <= result["heap"] <= 260 * mib, result
+    assert result["rss"] < result["heap"] / 2, result  # what the resident set would have said
+    assert abs(result["idle"]) < mib, result
+
+
+def test_without_the_heap_count_growth_is_the_resident_sets(monkeypatch):
+    import lms.bench.memory as memory
+
+    monkeypatch.setattr(memory, "_MALLINFO2", None)
+    assert heap_in_use_bytes() is None
+    with PeakMemory() as peak:
+        block = bytearray(64 * 2**20)  # zero-filled by Python: resident
+    del block
+    assert peak.heap_growth_bytes is None
+    assert peak.growth_bytes == peak.rss_growth_bytes >= 60 * 2**20

@@ -16,9 +16,10 @@ GLIBC = platform.libc_ver()[0] == "glibc" and tuple(
     int(part) for part in platform.libc_ver()[1].split(".")[:2]
 ) >= (2, 33)
 
-# 256 chunks of 1 MiB, allocated, freed, then allocated again inside the block: glibc serves the
-# second round from the heap the first left resident (an 8 MiB block freed first raises its mmap
-# threshold above 1 MiB; a small tensor allocated after the chunks keeps the heap from shrinking).
+# 256 chunks of 1 MiB, allocated, freed, then allocated again inside the block: glibc mostly
+# serves the second round from the heap the first left resident (an 8 MiB block freed first raises
+# its mmap threshold above 1 MiB; a small tensor allocated after the chunks may keep the heap from
+# shrinking), so the resident set grows by anything from nothing to the whole 256 MiB.
 SCRIPT = textwrap.dedent(
     """
     import json, torch
@@ -39,14 +40,13 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.skipif(not GLIBC, reason="counts the heap through glibc's mallinfo2 (2.33 and later)")
-def test_the_heap_counts_what_the_block_allocates_even_where_it_stays_resident():
+def test_the_heap_counts_what_the_block_allocates_from_memory_already_resident():
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, check=True
     ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     mib = 2**20
     assert 256 * mib <= result["heap"] <= 260 * mib, result
-    assert result["rss"] < result["heap"] / 2, result  # what the resident set would have said
     assert abs(result["idle"]) < mib, result
 
 

@@ -177,8 +177,11 @@ def test_exception_mid_step_leaves_nothing(tmp_path):
 
 
 def test_ctrl_c_mid_fit_leaves_no_spill_files(tmp_path):
-    # In a subprocess: Lightning ignores SIGINT for the rest of a process it shut down.
+    # In a subprocess: Lightning ignores SIGINT for the rest of a process it shut down. A shell
+    # starts a background job ignoring SIGINT, and Python then raises no KeyboardInterrupt.
     script = f"""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from tests.integrations.test_lightning import LMSCallback, Net, fit
         net = Net(fail_at=1, ctrl_c=True)
         fit([LMSCallback(budget="2MiB", min_offload_bytes=0, spill_dir={str(tmp_path)!r},

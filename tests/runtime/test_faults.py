@@ -164,6 +164,7 @@ def test_ctrl_c_leaves_no_spill_files(tmp_path):
     script = textwrap.dedent(
         f"""
         import os, signal, sys, time, torch, lms
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started ignoring it
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(64)])
         x = torch.randn(512, 512)

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from lms._units import format_bytes
 from lms.analysis import report_for, simulate, trace_step
-from lms.bench.memory import PeakMemory, heap_in_use_bytes
+from lms.bench.memory import PeakMemory
 from lms.runtime import LMS
 from lms.tuning import local_device_spec
 from lms.zoo import zoo_model
@@ -102,8 +102,8 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
     predicted = simulated.peak_tensor_bytes - (0 if cuda else before)
     stats = offload.stats
-    heap = heap_in_use_bytes()
-    what = "resident set growth" if heap is None else "growth of the heap in use"
+    heap_counted = memory.heap_growth_bytes is not None
+    what = "growth of the heap in use" if heap_counted else "resident set growth"
     lines = [
         f"[LMS] Trained {steps} steps of {MODEL} {size}x{size} batch {batch} on {device.type}; "
         f"last loss {loss.item():.4f}",
@@ -115,7 +115,7 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
         f"{format_bytes(plain_peak)}",
         *(
             []
-            if cuda or heap is None
+            if cuda or not heap_counted
             else [
                 "[LMS] The resident set grew by up to "
                 f"{format_bytes(max(resident[1:] or resident))} a step (glibc keeps freed heap "

@@ -194,6 +194,12 @@ def train(
         offload.close()
     if kept is not None:
         kept.remove()
+    if cuda:
+        measure = ""
+    elif memory.heap_growth_bytes is None:  # the resident set is all there is
+        measure = " resident set growth"
+    else:
+        measure = f" heap growth ({format_bytes(result.rss_growth_bytes or 0)} resident)"
     log.info(
         "[LMS] %s size %d batch %d, %s: %.3f s/step, %.3g samples/s, %s, peak %s%s",
         model_name,
@@ -204,7 +210,7 @@ def train(
         result.samples_per_s,
         format_rate(result.elements_per_s, entry.unit),
         format_bytes(result.peak_bytes),
-        "" if cuda else f" heap growth ({format_bytes(result.rss_growth_bytes or 0)} resident)",
+        measure,
     )
     return result
 

@@ -47,11 +47,11 @@ def test_no_lms_peak_within_5pct_of_memtracker(build, shape):
 def test_trace_uses_no_real_memory():
     from lms.bench.memory import PeakMemory
 
-    with PeakMemory() as rss:
+    with PeakMemory() as memory:
         trace = trace_step(resnet18, lambda: [torch.randn(24, 3, 1024, 1024)], device="cpu")
     peak = simulate(trace, None, device_spec("v100-32gb")).peak_tensor_bytes
     assert peak > 8 * 2**30
-    assert rss.growth_bytes < 1 * 2**30
+    assert memory.growth_bytes < 1 * 2**30
 
 
 class Net(torch.nn.Module):

@@ -33,7 +33,13 @@ BUDGET_FRACTION = 0.4
 
 
 def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
-    """Run the demo; returns the measured and predicted figures."""
+    """Run the demo; returns the measured and predicted figures.
+
+    Raises:
+        ValueError: fewer than one step.
+    """
+    if steps < 1:
+        raise ValueError(f"lms: steps={steps} must be at least 1")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     size, batch = (GPU_SIZE, GPU_BATCH) if cuda else (CPU_SIZE, CPU_BATCH)

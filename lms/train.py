@@ -103,13 +103,15 @@ def train(
 
     Raises:
         PlanInfeasibleError: with method "lms", before training, when the budget cannot fit.
-        ValueError: an unknown method, a batch below the model's smallest, or a name in
-            ``keep_in`` that is not one of the model's submodules.
+        ValueError: an unknown method, fewer than one step, a batch below the model's
+            smallest, or a name in ``keep_in`` that is not one of the model's submodules.
         StepFailedError: the model's step raised, traced or in its first real step (ResNet50
             at 32 px and batch 1, say: its last batch norm then sees one value per channel).
     """
     if method not in METHODS:
         raise ValueError(f"lms: method={method!r} is not one of {', '.join(METHODS)}")
+    if steps < 1:
+        raise ValueError(f"lms: steps={steps} must be at least 1")
     entry: ZooModel = zoo_model(model_name)
     entry.check_batch(batch_size)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

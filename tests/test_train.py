@@ -208,6 +208,17 @@ def test_bench_rotates_the_methods_and_keeps_each_median(monkeypatch):
         compare.bench("resnet50", sizes=[64], budget=None, repeats=0)
 
 
+def test_fewer_than_one_step_fails_before_anything_runs(capsys):
+    from lms.bench.compare import bench
+
+    with pytest.raises(ValueError, match="steps=0 must be at least 1"):
+        train("resnet50", size=64, steps=0, method="none", device="cpu")
+    with pytest.raises(ValueError, match="steps=0 must be at least 1"):
+        bench("resnet50", sizes=[64], budget=None, steps=0)
+    assert main(["demo", "--steps", "0"]) == 2
+    assert "steps=0 must be at least 1" in capsys.readouterr().err
+
+
 def test_cli_bench_measures_each_run_in_its_own_process(tmp_path):
     out, plot = tmp_path / "b.json", tmp_path / "b.png"
     argv = ["-q", "bench", "--model", "resnet50", "--sizes", "64", "--methods", "none,lms"]

@@ -84,8 +84,9 @@ def bench(
     from lms.zoo import zoo_model
 
     zoo_model(model).check_batch(batch_size)  # before any run starts
-    if repeats < 1:
-        raise ValueError(f"lms: repeats={repeats} must be at least 1")
+    for name, count in (("steps", steps), ("repeats", repeats)):
+        if count < 1:
+            raise ValueError(f"lms: {name}={count} must be at least 1")
     limit = parse_bytes(budget, field="budget") if budget is not None else None
     points: list[dict[str, Any]] = []
     failed: set[str] = set()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -14,11 +13,13 @@ from typing import Any
 
 import torch
 
+import lms
 from lms._units import format_bytes
 from lms.analysis.devices import DEVICES, DeviceSpec
 from lms.analysis.records import Trace
 from lms.analysis.simulate import simulate
 from lms.analysis.trace import StepFn, trace_step
+from lms.cache import cache_folder, cache_path, load_cached, save_plan
 from lms.errors import HostMemoryError, SpillError
 from lms.plan import Plan
 
@@ -181,7 +182,8 @@ def tune_plan(
 ) -> Plan:
     """Trace ``step_fn(model, batch)`` under fake tensors and plan it for the model's device.
 
-    A plan for the same fingerprint and budget found in ``cache_dir`` is loaded instead of tuned.
+    A plan for the same step, budget and device found in ``cache_dir`` (else ``$LMS_CACHE_DIR``,
+    else ``~/.cache/lms/plans``) is used instead of tuned, if it still fits (`lms.cache`).
     On a GPU, offloaded data beyond ``host_budget_bytes`` is planned into spill files (tier
     "auto"), or refused (tier "host").
 
@@ -208,35 +210,40 @@ def tune_plan(
         min_offload_bytes=min_offload_bytes,
         name=type(model).__name__,
     )
-    folder = cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "lms", "plans")
-    host = f"-host{spec.host_memory_bytes}" if spec.spills else ""
-    path = os.path.join(folder, f"{trace.fingerprint()}-{budget}{host}.json")
-    cached = os.path.exists(path)
-    if cached:
-        plan = Plan.load(path)
+    half = autocast is not None
+    choose: Any = planner or plan_auto
+    if device.type == "cuda":  # the card, not its measured rates, which vary run to run
+        card = torch.cuda.get_device_properties(device)
+        where = f"{card.name}:{card.total_memory}:{spec.host_memory_bytes}"
     else:
-        choose: Any = planner or plan_auto
+        where = spec.name
+    chooser = getattr(choose, "__qualname__", type(choose).__qualname__)
+    setting = (where, lms.__version__, half, chooser)
+    path = cache_path(cache_folder(cache_dir), trace, budget, setting)
+    loaded = load_cached(path, trace, spec, budget, half=half)
+    if loaded is not None:
+        plan = loaded
+    else:
         if trace.compiled:
             log.info(
                 "[LMS] The model or the step is compiled: its plan recomputes nothing, since "
                 "a replay would run it uncompiled (Note [Compiled models are not replayed])"
             )
-        plan = choose(trace, spec, budget, half=autocast is not None)
+        plan = choose(trace, spec, budget, half=half)
     # A cached plan too: the host budget and the spill disk's free space may differ now.
     check_offload_room(
         trace,
         plan,
         spec,
-        half=autocast is not None,
+        half=half,
         host_budget_bytes=host_budget_bytes if device.type == "cuda" and tier == "host" else None,
         spill_dir=spill_dir,
         spills=tier != "host",
     )
-    if cached:
+    if loaded is not None:
         log.info("[LMS] Loaded the plan for this step from %s", path)
         return plan
-    os.makedirs(folder, exist_ok=True)
-    plan.save(path)
+    save_plan(plan, path)
     log.info(
         "[LMS] Tuned in %.2f s: offload %d of %d saved storages, predicted peak %.2f GiB, "
         "overhead %+.1f%%; saved to %s",

@@ -14,6 +14,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _plan_cache(tmp_path_factory, monkeypatch):
+    """Plans the tests tune go to a folder of each test's own, never to the user's cache (a plan
+    kept there from an earlier run would be loaded instead of tuned)."""
+    monkeypatch.setenv("LMS_CACHE_DIR", str(tmp_path_factory.mktemp("plan-cache")))
+
+
 @pytest.fixture
 def spill_dir(tmp_path):
     folder = tmp_path / "spill"

@@ -39,7 +39,8 @@ class LMSCallback(Callback):
     Args:
         tune: trace and plan the first training batch before it runs (automatic optimization
             only; with manual optimization the runtime's own policy decides).
-        cache_dir: where tuned plans are cached (default ``~/.cache/lms/plans``).
+        cache_dir: where tuned plans are cached (default ``$LMS_CACHE_DIR``, else
+            ``~/.cache/lms/plans``).
         plan: follow this plan instead of tuning one.
         no_offload_in: names of the LightningModule's submodules ("model.layer4") whose saved
             tensors stay on the device (`lms.no_offload_in`), for the fit only.

@@ -1,0 +1,100 @@
+"""Where tuned plans are kept between runs, and when a kept plan may be used again.
+
+A plan is filed under the step's fingerprint, the device budget, and a short hash of what else
+chose it: the device (a GPU's name and memory), the lms release, half precision, the planner.
+A plan found there is used only if it still names the step's saved tensors and the simulator
+still predicts it fits the budget (Note [A cached plan is checked, not trusted]); otherwise it is
+tuned again and replaced. Plans are written whole or not at all, so a run cut short leaves no
+half-written file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+
+from lms._units import format_bytes
+from lms.analysis.devices import DeviceSpec
+from lms.analysis.records import Trace
+from lms.analysis.simulate import simulate
+from lms.plan import Plan
+
+__all__ = ["ENV_VAR", "cache_folder", "cache_path", "load_cached", "save_plan"]
+
+log = logging.getLogger("lms.tuning")
+ENV_VAR = "LMS_CACHE_DIR"
+"""Environment variable naming the plan cache folder (default ``~/.cache/lms/plans``)."""
+
+
+def cache_folder(cache_dir: str | None = None) -> str:
+    """The plan cache: ``cache_dir``, else ``$LMS_CACHE_DIR``, else ``~/.cache/lms/plans``."""
+    default = os.path.join(os.path.expanduser("~"), ".cache", "lms", "plans")
+    return cache_dir or os.environ.get(ENV_VAR) or default
+
+
+def cache_path(folder: str, trace: Trace, budget_bytes: int, setting: Sequence[object]) -> str:
+    """The file a plan for ``trace`` under ``budget_bytes`` and ``setting`` is kept in.
+
+    ``setting`` is whatever else chose the plan (device, release, precision, planner); only its
+    hash is in the name.
+    """
+    tag = hashlib.sha256(json.dumps([str(part) for part in setting]).encode()).hexdigest()[:8]
+    return os.path.join(folder, f"{trace.fingerprint()}-{budget_bytes}-{tag}.json")
+
+
+# Note: [A cached plan is checked, not trusted]
+# The fingerprint names the step's shape, not the code that planned it: a plan kept by an earlier
+# release (or written by hand, or cut short) may name other tensors or no longer fit. One
+# simulation, far cheaper than tuning, tells; a plan that fails is tuned again, never followed.
+def load_cached(
+    path: str, trace: Trace, spec: DeviceSpec, budget_bytes: int, *, half: bool = False
+) -> Plan | None:
+    """The plan kept at ``path`` if there is one and it still fits; None to tune again."""
+    if not os.path.exists(path):
+        return None
+    try:
+        plan = Plan.load(path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        log.warning("[LMS] Tuning again: the cached plan %s cannot be read (%s)", path, error)
+        return None
+    entries = len(trace.entries())
+    if plan.fingerprint != trace.fingerprint() or plan.num_entries != entries:
+        log.warning(
+            "[LMS] Tuning again: the cached plan %s was made for another step (%d saved storages,"
+            " this step has %d)",
+            path,
+            plan.num_entries,
+            entries,
+        )
+        return None
+    peak = simulate(trace, plan, spec, half=half).peak_bytes
+    if peak > budget_bytes:
+        log.warning(
+            "[LMS] Tuning again: the cached plan %s is now predicted to need %s, over the budget"
+            " of %s",
+            path,
+            format_bytes(peak),
+            format_bytes(budget_bytes),
+        )
+        return None
+    return plan
+
+
+def save_plan(plan: Plan, path: str) -> None:
+    """Write ``plan`` to ``path`` whole: to a temporary file in the same folder, then renamed."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=".plan-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(handle, "w") as out:
+            out.write(plan.to_json())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise

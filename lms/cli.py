@@ -23,14 +23,41 @@ log = logging.getLogger("lms.cli")
 _BATCH_HELP = "samples a step (default: the smallest the model trains on, 1 for most)"
 
 
+def _count(text: str) -> int:
+    """A whole number of at least 1 (sizes, batches, steps), or argparse's usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _counts(text: str) -> list[int]:
+    """Comma-separated whole numbers of at least 1, such as ``256,512,768``."""
+    return [_count(part.strip()) for part in text.split(",")]
+
+
+def _seconds(text: str) -> float:
+    """A number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be more than 0 seconds")
+    return value
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
         help="zoo model (resnet50, googlenet, ...) or package.module:builder",
     )
-    parser.add_argument("--image-size", type=int, required=True, help="edge in pixels/voxels")
-    parser.add_argument("--batch-size", type=int, default=None, help=_BATCH_HELP)
+    parser.add_argument("--image-size", type=_count, required=True, help="edge in pixels/voxels")
+    parser.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
     parser.add_argument(
         "--no-offload-in",
@@ -107,7 +134,9 @@ def _train(args: argparse.Namespace) -> int:
     from lms.errors import PlanInfeasibleError
     from lms.train import load_images, train
 
-    data = load_images(args.data, args.image_size, args.batch_size) if args.data else None
+    data = (
+        load_images(args.data, args.model, args.image_size, args.batch_size) if args.data else None
+    )
     try:
         result = train(
             args.model,
@@ -134,10 +163,9 @@ def _train(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from lms.bench.compare import bench, plot_bench
 
-    sizes = [int(s) for s in args.sizes.split(",")]
     result = bench(
         args.model,
-        sizes=sizes,
+        sizes=args.sizes,
         budget=args.budget,
         methods=args.methods.split(","),
         batch_size=args.batch_size,
@@ -186,10 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = commands.add_parser("sweep", help="grow the image edge until the step cannot fit")
     sweep.add_argument("--model", required=True)
     sweep.add_argument("--gpu-memory", required=True, help="e.g. 32GiB")
-    sweep.add_argument("--step", type=int, required=True, help="edge increment")
-    sweep.add_argument("--start", type=int, default=None, help="first edge (default: --step)")
-    sweep.add_argument("--max-size", type=int, default=None)
-    sweep.add_argument("--batch-size", type=int, default=None, help=_BATCH_HELP)
+    sweep.add_argument("--step", type=_count, required=True, help="edge increment")
+    sweep.add_argument("--start", type=_count, default=None, help="first edge (default: --step)")
+    sweep.add_argument("--max-size", type=_count, default=None)
+    sweep.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
     sweep.add_argument("--amp", action="store_true")
     sweep.add_argument("--device-spec", default="v100-32gb")
     sweep.add_argument("--json")
@@ -198,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a zoo model and measure it")
     _add_model_args(train)
-    train.add_argument("--steps", type=int, default=5)
+    train.add_argument("--steps", type=_count, default=5)
     train.add_argument("--lms", action=argparse.BooleanOptionalAction, default=True)
     train.add_argument("--budget", default=None, help="device memory for the step, e.g. 32GiB")
     train.add_argument("--tier", default="auto", choices=["auto", "host", "disk"])
@@ -211,20 +239,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="measure LMS beside the peers over sizes")
     bench.add_argument("--model", required=True)
-    bench.add_argument("--sizes", required=True, help="comma-separated edges")
+    bench.add_argument("--sizes", type=_counts, required=True, help="comma-separated edges")
     bench.add_argument("--budget", default=None)
     bench.add_argument("--methods", default="none,lms,save_on_cpu,checkpoint")
-    bench.add_argument("--batch-size", type=int, default=None, help=_BATCH_HELP)
-    bench.add_argument("--steps", type=int, default=3)
+    bench.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
+    bench.add_argument("--steps", type=_count, default=3)
     bench.add_argument(
-        "--repeats", type=int, default=1, help="runs of each method a size, in rotated order"
+        "--repeats", type=_count, default=1, help="runs of each method a size, in rotated order"
     )
     bench.add_argument("--amp", action="store_true")
     bench.add_argument(
-        "--time-limit", type=float, default=None, help="seconds after which no run starts"
+        "--time-limit", type=_seconds, default=None, help="seconds after which no run starts"
     )
     bench.add_argument(
-        "--run-timeout", type=float, default=900, help="seconds before one run is stopped"
+        "--run-timeout", type=_seconds, default=900, help="seconds before one run is stopped"
     )
     bench.add_argument("--json")
     bench.add_argument("--plot")
@@ -232,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="analyze, then train past the budget with LMS")
     demo.add_argument("--out", default="out/demo", help="folder for the plot and snapshot")
-    demo.add_argument("--steps", type=int, default=3)
+    demo.add_argument("--steps", type=_count, default=3)
     demo.set_defaults(run=_demo)
     return parser
 
@@ -246,8 +274,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stdout,
     )
     try:
-        if getattr(args, "gpu_memory", None) is not None:
-            parse_bytes(args.gpu_memory, field="--gpu-memory")
+        memory = getattr(args, "gpu_memory", None)
+        if memory is not None and parse_bytes(memory, field="--gpu-memory") == 0:
+            raise ValueError("lms: --gpu-memory must be more than 0 bytes")
         if getattr(args, "model", None) is not None and args.batch_size is None:
             from lms.zoo import zoo_model
 

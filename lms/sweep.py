@@ -39,10 +39,18 @@ def sweep(
     """Sweep edge sizes ``start, start+step, ...`` until even LMS cannot fit the step.
 
     Returns a JSON-ready dict with ``max_size_without_lms``, ``max_size_with_lms`` and ``points``.
+
+    Raises:
+        ValueError: a step or start below 1, no memory, or a batch the model cannot train on.
     """
     entry = zoo_model(model)
     entry.check_batch(batch_size)
+    for name, count in (("step", step), ("start", step if start is None else start)):
+        if count < 1:
+            raise ValueError(f"lms: {name}={count} must be at least 1")
     budget = parse_bytes(gpu_memory, field="gpu_memory")
+    if budget == 0:
+        raise ValueError("lms: gpu_memory must be more than 0 bytes")
     spec = lookup_spec(device_spec, memory=budget)
     half = amp
     size = start or step

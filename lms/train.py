@@ -24,7 +24,7 @@ from lms.bench.memory import PeakMemory
 from lms.errors import LMSError, step_failed
 from lms.runtime import LMS
 from lms.runtime.keep import no_offload_in, submodules
-from lms.zoo import ZooModel, zoo_model
+from lms.zoo import ZOO, ZooModel, zoo_model
 
 __all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks"]
 
@@ -103,15 +103,17 @@ def train(
 
     Raises:
         PlanInfeasibleError: with method "lms", before training, when the budget cannot fit.
-        ValueError: an unknown method, fewer than one step, a batch below the model's
-            smallest, or a name in ``keep_in`` that is not one of the model's submodules.
+        ValueError: an unknown method, fewer than one step, a size below 1, a batch below the
+            model's smallest, or a name in ``keep_in`` that is not one of the model's
+            submodules.
         StepFailedError: the model's step raised, traced or in its first real step (ResNet50
             at 32 px and batch 1, say: its last batch norm then sees one value per channel).
     """
     if method not in METHODS:
         raise ValueError(f"lms: method={method!r} is not one of {', '.join(METHODS)}")
-    if steps < 1:
-        raise ValueError(f"lms: steps={steps} must be at least 1")
+    for name, count in (("steps", steps), ("size", size)):
+        if count < 1:
+            raise ValueError(f"lms: {name}={count} must be at least 1")
     entry: ZooModel = zoo_model(model_name)
     entry.check_batch(batch_size)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -234,13 +236,36 @@ def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:
     }
 
 
-def load_images(folder: str, size: int, batch_size: int) -> list[torch.Tensor]:
-    """One batch from a folder of images (class per subfolder), resized to ``size``."""
+def load_images(folder: str, model: str, size: int, batch_size: int) -> list[torch.Tensor]:
+    """One batch for ``model`` from a folder of images (a subfolder a class), resized to ``size``.
+
+    Raises:
+        ValueError: the model does not classify images, the folder holds no classes of images,
+            or fewer images than ``batch_size``.
+    """
     from torchvision import datasets, transforms
 
-    dataset = datasets.ImageFolder(
-        folder, transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor()])
-    )
+    entry = zoo_model(model)
+    if not entry.classifies_images:
+        classifiers = ", ".join(name for name, known in ZOO.items() if known.classifies_images)
+        raise ValueError(
+            f"lms: --data feeds image classifiers ({classifiers} or a builder of your own); "
+            f"{model} takes {entry.unit}, so train it on its synthetic batches"
+        )
+    try:
+        dataset = datasets.ImageFolder(
+            folder, transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor()])
+        )
+    except (FileNotFoundError, NotADirectoryError) as error:
+        raise ValueError(
+            f"lms: --data {folder}: {str(error).rstrip('.')}; give a folder with one subfolder "
+            "of images a class"
+        ) from None
+    if len(dataset) < batch_size:
+        raise ValueError(
+            f"lms: --data {folder} holds {len(dataset)} images, fewer than the batch size "
+            f"{batch_size}; add images or lower --batch-size"
+        )
     loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
     images, labels = next(iter(loader))
     return [images, labels]

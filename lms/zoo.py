@@ -32,6 +32,9 @@ class ZooModel:
     min_batch: int = 1
     """The smallest batch the model trains on; the command line's default batch size."""
     min_batch_reason: str = ""
+    classifies_images: bool = False
+    """Whether it classifies 3-channel images into 1000 classes, so that a folder of labelled
+    images (``lms train --data``) can feed it."""
 
     def check_batch(self, batch_size: int) -> None:
         """Refuse a batch the model cannot train on, before anything is built.
@@ -40,9 +43,10 @@ class ZooModel:
             ValueError: ``batch_size`` is below `min_batch` (the message says why).
         """
         if batch_size < self.min_batch:
+            why = f" ({self.min_batch_reason})" if self.min_batch_reason else ""
             raise ValueError(
-                f"lms: {self.name} trains on batches of {self.min_batch} or more "
-                f"({self.min_batch_reason}); got batch size {batch_size}"
+                f"lms: {self.name} trains on batches of {self.min_batch} or more{why}; got batch "
+                f"size {batch_size}"
             )
 
 
@@ -137,21 +141,25 @@ def _tokens(size: int, batch: int) -> Sequence[torch.Tensor]:
     return [torch.randint(0, 32000, (batch, size)), torch.randint(0, 32000, (batch, size))]
 
 
+def _classifier(name: str, build: Callable[[], torch.nn.Module]) -> ZooModel:
+    """An image classifier: 3 channels in, 1000 classes out, trained at 224 px by default."""
+    return ZooModel(
+        name,
+        build,
+        _images(3, 1000),
+        "pixels",
+        lambda s: s * s,
+        224,
+        _classify_step,
+        classifies_images=True,
+    )
+
+
 ZOO: dict[str, ZooModel] = {
     model.name: model
     for model in (
-        ZooModel(
-            "resnet50", _resnet50, _images(3, 1000), "pixels", lambda s: s * s, 224, _classify_step
-        ),
-        ZooModel(
-            "googlenet",
-            _googlenet,
-            _images(3, 1000),
-            "pixels",
-            lambda s: s * s,
-            224,
-            _classify_step,
-        ),
+        _classifier("resnet50", _resnet50),
+        _classifier("googlenet", _googlenet),
         ZooModel(
             "deeplabv3",
             _deeplabv3,
@@ -194,4 +202,4 @@ def zoo_model(name: str) -> ZooModel:
         raise ValueError(f"lms: model={name!r} cannot be imported: {error}") from None
     if not callable(build):
         raise ValueError(f"lms: model={name!r} is not callable")
-    return ZooModel(name, build, _images(3, 1000), "pixels", lambda s: s * s, 224, _classify_step)
+    return _classifier(name, build)

@@ -215,8 +215,65 @@ def test_fewer_than_one_step_fails_before_anything_runs(capsys):
         train("resnet50", size=64, steps=0, method="none", device="cpu")
     with pytest.raises(ValueError, match="steps=0 must be at least 1"):
         bench("resnet50", sizes=[64], budget=None, steps=0)
-    assert main(["demo", "--steps", "0"]) == 2
-    assert "steps=0 must be at least 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="size=0 must be at least 1"):
+        train("resnet50", size=0, method="none", device="cpu")
+    for sizes in ([], [64, 0]):
+        with pytest.raises(ValueError, match="must be one or more edges of at least 1"):
+            bench("resnet50", sizes=sizes, budget=None)
+    with pytest.raises(SystemExit) as usage:
+        main(["demo", "--steps", "0"])
+    assert usage.value.code == 2
+    assert "argument --steps: 0 must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--model", "resnet50", "--image-size", "-5"], "--image-size: -5 must be at"),
+        (["analyze", "--model", "resnet50", "--image-size", "0"], "--image-size: 0 must be at"),
+        (["bench", "--model", "resnet50", "--sizes", "256,x"], "--sizes: 'x' is not a whole"),
+        (["bench", "--model", "resnet50", "--sizes", ""], "--sizes: '' is not a whole"),
+        (["bench", "--model", "resnet50", "--sizes", "64", "--run-timeout", "0"], "0 must be"),
+        (["sweep", "--model", "resnet50", "--gpu-memory", "1GiB", "--step", "0"], "--step: 0"),
+        (["train", "--model", "unet3d", "--image-size", "32", "--batch-size", "0"], "size: 0"),
+    ],
+)
+def test_cli_refuses_numbers_out_of_range_as_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as usage:
+        main(argv)
+    assert usage.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _image_folder(root, per_class):
+    from PIL import Image
+
+    for name in ("cat", "dog"):
+        (root / name).mkdir(parents=True)
+        for number in range(per_class):
+            pixels = torch.randint(0, 256, (40, 50, 3), dtype=torch.uint8).numpy()
+            Image.fromarray(pixels).save(root / name / f"{number}.png")
+    return str(root)
+
+
+def test_cli_trains_on_a_folder_of_images_and_refuses_what_cannot_feed_the_model(tmp_path, capsys):
+    folder = _image_folder(tmp_path / "images", per_class=2)
+    out = tmp_path / "train.json"
+    argv = ["-q", "train", "--model", "resnet50", "--image-size", "64", "--steps", "1"]
+    assert main([*argv, "--batch-size", "4", "--data", folder, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["batch_size"] == 4
+    (tmp_path / "empty").mkdir()
+    refusals = {
+        "holds 4 images, fewer than the batch size 5": [*argv, "--batch-size", "5"],
+        "Couldn't find any class folder": [*argv, "--data", str(tmp_path / "empty")],
+        "No such file or directory": [*argv, "--data", str(tmp_path / "missing")],
+        "unet3d takes voxels": ["train", "--model", "unet3d", "--image-size", "32"],
+    }
+    for message, refused in refusals.items():
+        if "--data" not in refused:
+            refused = [*refused, "--data", folder]
+        assert main(refused) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_cli_bench_measures_each_run_in_its_own_process(tmp_path):

@@ -87,6 +87,8 @@ def bench(
     for name, count in (("steps", steps), ("repeats", repeats)):
         if count < 1:
             raise ValueError(f"lms: {name}={count} must be at least 1")
+    if min(sizes, default=0) < 1:
+        raise ValueError(f"lms: sizes={list(sizes)} must be one or more edges of at least 1")
     limit = parse_bytes(budget, field="budget") if budget is not None else None
     points: list[dict[str, Any]] = []
     failed: set[str] = set()

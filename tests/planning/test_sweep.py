@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from lms.cli import main
 
 
@@ -41,3 +43,15 @@ def test_sweep_finds_both_limits_and_writes_json_and_plot(tmp_path):
             assert point["predicted_overhead"] >= 0
     assert result["elements_ratio"] == (with_lms / plain) ** 2
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_sweep_that_could_not_grow_or_fit_is_refused_before_tracing():
+    from lms.sweep import sweep
+
+    for arguments, message in (
+        (dict(gpu_memory="1GiB", step=0), "step=0 must be at least 1"),
+        (dict(gpu_memory="1GiB", step=64, start=-64), "start=-64 must be at least 1"),
+        (dict(gpu_memory=0, step=64), "gpu_memory must be more than 0 bytes"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            sweep("resnet50", progress=False, **arguments)

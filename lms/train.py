@@ -151,7 +151,8 @@ def train(
     peaks: list[int] = []
     resident: list[int] = []
     loss = torch.zeros(())
-    for _ in tqdm(range(steps), desc=f"{model_name} {size} {method}", disable=not progress):
+    label = f"{model_name} {size} {method}"
+    for _ in tqdm(range(steps), desc=label, unit="step", disable=not progress):
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(target)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_bytes", "format_bytes", "format_rate"]
+__all__ = ["parse_bytes", "format_bytes", "format_rate", "check_counts"]
 
 _UNITS = {
     "": 1,
@@ -71,3 +71,14 @@ def format_rate(per_s: float, unit: str) -> str:
         if per_s >= 0.9995 * scale:  # what rounds to 1000 takes the next prefix
             return f"{per_s / scale:.3g} {prefix}{unit}/s"
     return f"{per_s:.3g} {unit}/s"
+
+
+def check_counts(**counts: int) -> None:
+    """Refuse a count below 1 (steps, sizes, repeats) with a ValueError naming it.
+
+    Raises:
+        ValueError: for the first of ``counts`` below 1, in the order given.
+    """
+    for name, count in counts.items():
+        if count < 1:
+            raise ValueError(f"lms: {name}={count} must be at least 1")

@@ -14,7 +14,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from lms._units import format_bytes
+from lms._units import check_counts, format_bytes
 from lms.analysis import report_for, simulate, trace_step
 from lms.bench.memory import PeakMemory
 from lms.runtime import LMS
@@ -38,8 +38,7 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     Raises:
         ValueError: fewer than one step.
     """
-    if steps < 1:
-        raise ValueError(f"lms: steps={steps} must be at least 1")
+    check_counts(steps=steps)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     size, batch = (GPU_SIZE, GPU_BATCH) if cuda else (CPU_SIZE, CPU_BATCH)

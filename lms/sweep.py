@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from lms._units import format_bytes, parse_bytes
+from lms._units import check_counts, format_bytes, parse_bytes
 from lms.analysis import device_spec as lookup_spec
 from lms.analysis import simulate, trace_step
 from lms.errors import PlanInfeasibleError
@@ -45,9 +45,7 @@ def sweep(
     """
     entry = zoo_model(model)
     entry.check_batch(batch_size)
-    for name, count in (("step", step), ("start", step if start is None else start)):
-        if count < 1:
-            raise ValueError(f"lms: {name}={count} must be at least 1")
+    check_counts(step=step, start=step if start is None else start)
     budget = parse_bytes(gpu_memory, field="gpu_memory")
     if budget == 0:
         raise ValueError("lms: gpu_memory must be more than 0 bytes")

@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from lms._units import format_bytes, format_rate
+from lms._units import check_counts, format_bytes, format_rate
 from lms.bench.memory import PeakMemory
 from lms.errors import LMSError, step_failed
 from lms.runtime import LMS
@@ -111,9 +111,7 @@ def train(
     """
     if method not in METHODS:
         raise ValueError(f"lms: method={method!r} is not one of {', '.join(METHODS)}")
-    for name, count in (("steps", steps), ("size", size)):
-        if count < 1:
-            raise ValueError(f"lms: {name}={count} must be at least 1")
+    check_counts(steps=steps, size=size)
     entry: ZooModel = zoo_model(model_name)
     entry.check_batch(batch_size)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

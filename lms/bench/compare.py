@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from lms._units import format_bytes, format_rate, parse_bytes
+from lms._units import check_counts, format_bytes, format_rate, parse_bytes
 
 __all__ = ["bench", "plot_bench", "child_main"]
 
@@ -84,9 +84,7 @@ def bench(
     from lms.zoo import zoo_model
 
     zoo_model(model).check_batch(batch_size)  # before any run starts
-    for name, count in (("steps", steps), ("repeats", repeats)):
-        if count < 1:
-            raise ValueError(f"lms: {name}={count} must be at least 1")
+    check_counts(steps=steps, repeats=repeats)
     if min(sizes, default=0) < 1:
         raise ValueError(f"lms: sizes={list(sizes)} must be one or more edges of at least 1")
     limit = parse_bytes(budget, field="budget") if budget is not None else None

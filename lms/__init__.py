@@ -10,6 +10,7 @@ from lms.errors import (
     SpillError,
     StepAbortedError,
     StepFailedError,
+    UnplannableStepError,
 )
 from lms.plan import Plan
 from lms.runtime import LMS, LMSStats, no_offload, no_offload_in
@@ -33,6 +34,7 @@ __all__ = [
     "PlanInfeasibleError",
     "StepAbortedError",
     "StepFailedError",
+    "UnplannableStepError",
     "parse_bytes",
     "format_bytes",
 ]

@@ -11,6 +11,7 @@ __all__ = [
     "PlanInfeasibleError",
     "StepAbortedError",
     "StepFailedError",
+    "UnplannableStepError",
 ]
 
 
@@ -50,6 +51,12 @@ class StepFailedError(LMSError):
     def __init__(self, message: str, *, where: str):
         super().__init__(message)
         self.where = where
+
+
+class UnplannableStepError(LMSError):
+    """The traced step is not one forward and backward: it runs forward again after its
+    backward finished (gradient accumulation over micro-batches, or a GAN's two models, in one
+    step), where a plan names saved tensors by their order in one forward and backward."""
 
 
 def step_failed(error: BaseException, what: str) -> StepFailedError:

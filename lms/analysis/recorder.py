@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.distributed._tools.mod_tracker import ModTracker
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -16,6 +15,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis.records import JunctionRecord, OpRecord, SavedEvent, StorageRecord
+from lms.errors import UnplannableStepError
 from lms.runtime import junctions
 from lms.runtime.keep import offload_blocked
 
@@ -27,9 +27,8 @@ _SKIP_OPS = {"aten.detach.default", "aten.alias.default", "prim.device.default"}
 class Recorder(TorchDispatchMode):
     """Records every aten op, storage allocation and free, and saved-tensor event."""
 
-    def __init__(self, tracker: ModTracker, min_offload_bytes: int):
+    def __init__(self, min_offload_bytes: int):
         super().__init__()
-        self.tracker = tracker
         self.min_offload_bytes = min_offload_bytes
         self.ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.refs: dict[int, weakref.ref[Any]] = {}
@@ -46,9 +45,11 @@ class Recorder(TorchDispatchMode):
         self.level = 0
         self.fixed: set[int] = set()
         self.seen_backward = False
+        self.live_saves = 0  # saved tensors autograd still holds
         self.names: dict[int, str] = {}
         self.stack: list[str] = []
         self.marks: list[int] = []  # the last autograd node number before each module ran
+        self.backward_module = "Global"  # the module of the last named node backward ran
         self.edge_of: dict[int, junctions.Edge] = {}  # storage: edge when first saved
         self.walked = False
         self.forward_nodes = _ForwardNodes()
@@ -71,7 +72,7 @@ class Recorder(TorchDispatchMode):
         if not self.stack:
             return
         name, mark = self.stack.pop(), self.marks.pop()
-        if self.phase() != "forward":
+        if self.phase() == "optimizer":
             return
         # Note: [Name backward nodes by the module that made them]
         # Autograd numbers nodes in the order forward makes them. The nodes a module made are
@@ -89,13 +90,17 @@ class Recorder(TorchDispatchMode):
                     todo.append(after)
 
     def module(self, phase: str) -> str:
+        if self.stack:  # forward, or a module that backward runs (a checkpoint's recomputation)
+            return self.stack[-1]
         if phase == "forward":
-            return self.stack[-1] if self.stack else "Global"
+            return "Global"
+        # A node no module made (a parameter's AccumulateGrad) runs right after the node that
+        # made its gradient and takes that node's module. No hooks on module inputs: those
+        # would break `torch.autograd.grad` over a leaf that a module took (pytorch#131753).
         node: Any = torch._C._current_autograd_node()
         if node is not None and "lms_module" in node.metadata:
-            return str(node.metadata["lms_module"])
-        parents = self.tracker.parents
-        return max(parents, key=len) if parents else "Global"
+            self.backward_module = str(node.metadata["lms_module"])
+        return self.backward_module
 
     # -- storages ----------------------------------------------------------------------------
     def storage_id(self, tensor: torch.Tensor, kind: str = "activation") -> tuple[int, bool]:
@@ -195,8 +200,18 @@ class Recorder(TorchDispatchMode):
         return out
 
     # -- saved tensors -----------------------------------------------------------------------
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def pack(self, tensor: torch.Tensor) -> _Saved:
+        if self.seen_backward and not self.live_saves and torch._C._current_graph_task_id() == -1:
+            where = self.stack[-1] if self.stack else "the step function"
+            raise UnplannableStepError(
+                f"lms: the step runs forward again after its backward finished (a tensor saved "
+                f"in {where}): a plan covers one forward and backward. Trace and enter the LMS "
+                "block once per forward and backward (each micro-batch of gradient "
+                "accumulation, each model's update), or let the runtime decide without a plan "
+                "(LMS without tune, LMSCallback(tune=False))"
+            )
         self.level += 1
+        self.live_saves += 1
         if not self.walked and tensor.grad_fn is not None:
             self.saved_nodes.append(tensor.grad_fn)
         sid, _ = self.storage_id(tensor)
@@ -213,9 +228,10 @@ class Recorder(TorchDispatchMode):
         edge = junctions.edge_of(tensor) if offloadable and sid not in self.edge_of else None
         if edge is not None:
             self.edge_of[sid] = edge
-        return tensor
+        return _Saved(tensor, self)
 
-    def unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        tensor = saved.tensor
         if not self.walked and torch._C._current_graph_task_id() != -1:
             self.walked = True
             root = torch._C._current_autograd_node()
@@ -238,9 +254,9 @@ class Recorder(TorchDispatchMode):
             )
         self.level += 1
         sid, _ = self.storage_id(tensor)
-        saved = next(e for e in reversed(self.events) if e.storage == sid and e.kind == "save")
+        save = next(e for e in reversed(self.events) if e.storage == sid and e.kind == "save")
         self.events.append(
-            SavedEvent(self.level, len(self.ops), "use", sid, self.nbytes[sid], saved.offloadable)
+            SavedEvent(self.level, len(self.ops), "use", sid, self.nbytes[sid], save.offloadable)
         )
         return tensor
 
@@ -325,6 +341,20 @@ def _workspace(func: Any, args: Any, kwargs: Any, out: Any) -> tuple[torch.Tenso
     layers = 1 if "mkldnn" in str(func) else int(named.get("num_layers", 1))
     gates = _GATES.get(int(named.get("mode", 2)), 4)
     return out[position], _BYTES_PER_GATE * gates * out[0].numel() * layers
+
+
+class _Saved:
+    """What the trace hands autograd for a saved tensor; autograd drops it when it releases
+    the save (after backward, unless the graph is retained)."""
+
+    __slots__ = ("tensor", "recorder")
+
+    def __init__(self, tensor: torch.Tensor, recorder: Recorder):
+        self.tensor = tensor
+        self.recorder = recorder
+
+    def __del__(self) -> None:
+        self.recorder.live_saves -= 1
 
 
 class _ForwardNodes(TorchFunctionMode):

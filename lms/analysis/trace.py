@@ -21,7 +21,6 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
-from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lms.analysis.recorder import Recorder
@@ -133,8 +132,7 @@ def trace_step(
     """
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     step = step_fn or default_step
-    tracker = ModTracker()
-    recorder = Recorder(tracker, min_offload_bytes)
+    recorder = Recorder(min_offload_bytes)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
     built, real = _build(model, fake_mode, target)
     with fake_mode, torch.device(target), _fake_state(built, target) if real else _noop():
@@ -161,7 +159,7 @@ def trace_step(
         )
         leave_modules()
         try:
-            with tracker, recorder, recorder.forward_nodes, hooks, _eager() as watch:
+            with recorder, recorder.forward_nodes, hooks, _eager() as watch:
                 with amp:
                     result = step(built, inputs)
                 if opt is not None:

@@ -185,13 +185,20 @@ class Checker:
         if self.refetch:  # nothing fits: the lowest peak is that of all of these together
             everything = self.plan(range(self.num_entries), ahead=1, sync_mode=3, source="minimum")
             result = min(result, self.run(everything), key=lambda sim: sim.peak_bytes)
+        how = "even with every saved tensor offloaded"
+        plain = self.run(None)
+        if plain.peak_bytes < result.peak_bytes:
+            # Tensors saved in backward (a checkpoint's recomputation, a double backward) are
+            # read soon after: moving them costs a copy back on top of the peak.
+            result = plain
+            how = "as it is (moving its saved tensors off the device raises its peak)"
         op = self.trace.ops[result.peak_op] if self.trace.ops else None
         largest = self.trace.largest_op
         where = f"{op.name} at {op.module}" if op else "the step"
         raise PlanInfeasibleError(
             f"lms: budget {format_bytes(self.budget_bytes)} is below the "
-            f"{format_bytes(result.peak_bytes)} that the step needs even with every saved "
-            f"tensor offloaded: {where} runs at that peak (the largest operation, "
+            f"{format_bytes(result.peak_bytes)} that the step needs {how}: "
+            f"{where} runs at that peak (the largest operation, "
             f"{largest.name} at {largest.module}, needs {format_bytes(largest.working_set_bytes)}"
             " at once); raise the budget or lower the batch size or resolution",
             op_name=op.name if op else "",

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
+import torch
+
 from lms.config import LMSConfig
 from lms.plan import Plan
 from lms.runtime import policy
@@ -18,6 +20,12 @@ from lms.runtime.step import Step
 from lms.runtime.store import Entry
 
 __all__ = ["Follow"]
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
 
 log = logging.getLogger("lms.runtime")
 
@@ -38,15 +46,27 @@ class Follow:
     def diverge(self, step: Step, ordinal: int, what: str) -> None:
         """``step`` saves other tensors than ``what`` (at save ``ordinal``): warn, once a run."""
         step.diverged = True
-        if not self._warned:
-            self._warned = True
+        if self._warned:
+            return
+        self._warned = True
+        if step.forward_again:
             log.warning(
-                "[LMS] step %d saves tensors other than the %s (at save %d); falling back to "
-                "the runtime's own policy for this step",
+                "[LMS] step %d runs forward again after its backward (diverging at save %d), where"
+                " the %s one forward and backward; falling back to the runtime's own policy for"
+                " the rest of this step. Enter the LMS block once per forward and backward (each"
+                " micro-batch of gradient accumulation) to follow the plan in each",
                 step.number,
-                what,
                 ordinal,
+                what,
             )
+            return
+        log.warning(
+            "[LMS] step %d saves tensors other than the %s (at save %d); falling back to "
+            "the runtime's own policy for this step",
+            step.number,
+            what,
+            ordinal,
+        )
 
     def allowance(self, step: Step, *, backward: bool = False) -> int | None:
         """Saved bytes (resident, plus brought back in ``backward``) the budget leaves room for."""

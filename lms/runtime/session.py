@@ -21,7 +21,7 @@ from lms._units import format_bytes
 from lms.config import LMSConfig
 from lms.plan import Plan
 from lms.runtime import policy
-from lms.runtime.follow import Follow
+from lms.runtime.follow import Follow, in_backward
 from lms.runtime.keep import Keep, leave_modules, no_offload, no_offload_in
 from lms.runtime.pool import available_host_bytes
 from lms.runtime.recompute import Replays
@@ -272,6 +272,8 @@ class LMS:
             self._release_dropped()
             step = self._step
             assert step is not None
+            if step.entries and not self._live and not in_backward():
+                step.forward_again = True  # gradient accumulation in one block, say
             step.level += 1
             self.stats.saved_tensors += 1
             if not step.light:

@@ -68,6 +68,7 @@ class Step:
         self.walked = False
         self.light = False  # saves pass through untouched (see LMS._calibrate)
         self.saved_storage_bytes = 0  # bytes of the storages of every save, shared ones again
+        self.forward_again = False  # saved after every earlier save was released (by backward)
         self.held: dict[tuple[str, int], weakref.ref[torch.UntypedStorage]] = {}
         """Storages that saves kept in place hold, by (device, address)."""
 

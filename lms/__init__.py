@@ -10,6 +10,7 @@ from lms.errors import (
     SpillError,
     StepAbortedError,
     StepFailedError,
+    StepStateError,
     UnplannableStepError,
 )
 from lms.plan import Plan
@@ -34,6 +35,7 @@ __all__ = [
     "PlanInfeasibleError",
     "StepAbortedError",
     "StepFailedError",
+    "StepStateError",
     "UnplannableStepError",
     "parse_bytes",
     "format_bytes",

@@ -11,6 +11,7 @@ __all__ = [
     "PlanInfeasibleError",
     "StepAbortedError",
     "StepFailedError",
+    "StepStateError",
     "UnplannableStepError",
 ]
 
@@ -51,6 +52,16 @@ class StepFailedError(LMSError):
     def __init__(self, message: str, *, where: str):
         super().__init__(message)
         self.where = where
+
+
+class StepStateError(LMSError):
+    """The traced step left fake tensors in objects outside the trace: state it made lazily
+    while it ran under fake tensors (a `GradScaler`'s scale, a tensor a module caches).
+    ``holders`` names where each was found."""
+
+    def __init__(self, message: str, *, holders: list[str]):
+        super().__init__(message)
+        self.holders = holders
 
 
 class UnplannableStepError(LMSError):

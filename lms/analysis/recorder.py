@@ -57,6 +57,14 @@ class Recorder(TorchDispatchMode):
         self.arrivals: dict[int, list[tuple[int, int, int]]] = {}
         self.joined: list[JunctionRecord] = []
         self.meeting: dict[Any, int] = {}  # junction: how many partials meet there
+        self.made: list[weakref.ref[torch.Tensor]] = []  # every tensor an op made
+
+    def close(self) -> None:
+        """Let go of the step's autograd nodes: the hooks on junctions call back here, and a
+        cycle through a node's hooks is one Python's collector cannot see."""
+        self.edge_of.clear()
+        self.saved_nodes.clear()
+        self.forward_nodes.nodes.clear()
 
     # -- modules -----------------------------------------------------------------------------
     def name_modules(self, model: torch.nn.Module) -> None:
@@ -145,6 +153,7 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self._note_made(out, args, kwargs)
         name = str(func)
         if name in _SKIP_OPS:
             return out
@@ -198,6 +207,15 @@ class Recorder(TorchDispatchMode):
         )
         self.op_level.append(level)
         return out
+
+    def _note_made(self, out: Any, args: Any, kwargs: Any) -> None:
+        """Keep a weak reference to each new tensor ``out`` holds (not an in-place op's input)."""
+        given = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        self.made.extend(
+            weakref.ref(t)
+            for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor) and id(t) not in given
+        )
 
     # -- saved tensors -----------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> _Saved:

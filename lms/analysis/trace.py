@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lms.analysis.recorder import Recorder
 from lms.analysis.records import Trace
 from lms.config import AUTO_MIN_OFFLOAD_BYTES
-from lms.errors import LMSError, step_failed
+from lms.errors import LMSError, StepStateError, step_failed
 from lms.runtime.keep import leave_modules
 
 __all__ = ["trace_step", "default_step", "StepFn"]
@@ -97,6 +97,9 @@ def _fake_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
     finally:
         for table, name, value in reversed(saved):
             table[name] = value
+        for module in model.modules():
+            if isinstance(module, torch.nn.RNNBase):
+                module._init_flat_weights()  # its list of weights held the fake ones
 
 
 def trace_step(
@@ -133,7 +136,9 @@ def trace_step(
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     step = step_fn or default_step
     recorder = Recorder(min_offload_bytes)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=False)
+    # Real tensors the step takes from outside (a GradScaler's scale, a frozen teacher model's
+    # weights) are traced as fake copies of themselves.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     built, real = _build(model, fake_mode, target)
     with fake_mode, torch.device(target), _fake_state(built, target) if real else _noop():
         leaves, structure = tree_flatten(batch() if callable(batch) else batch)
@@ -171,22 +176,20 @@ def trace_step(
         finally:
             pre.remove()
             post.remove()
+            recorder.close()
         del result
         grads = [p.grad for p in built.parameters() if p.grad is not None]
         gradient_ids = {recorder.storage_id(g)[0] for g in grads}
-        state_ids: set[int] = set()
-        if opt is not None:
-            for state in opt.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor):
-                        state_ids.add(recorder.storage_id(value)[0])
-        del opt, grads, inputs, leaves, tensors
+        states = [v for s in (opt.state.values() if opt else ()) for v in s.values()]
+        state_ids = {recorder.storage_id(v)[0] for v in states if isinstance(v, torch.Tensor)}
+        del opt, grads, states, inputs, leaves, tensors
+        torch.clear_autocast_cache()  # its casts of the fake weights, under a caller's autocast
         gc.collect()
     backward_start = next(
         (op.index for op in recorder.ops if op.phase == "backward"), len(recorder.ops)
     )
     storages = recorder.storage_records(gradient_ids, state_ids)
-    return Trace(
+    trace = Trace(
         name=name,
         input_shapes=input_shapes,
         device=str(target),
@@ -207,6 +210,62 @@ def trace_step(
         or _is_compiled(step)
         or any(_is_compiled(module) for module in built.modules()),
     )
+    made = recorder.made
+    del recorder, hooks, built, watch  # the recorder keeps forward's autograd nodes
+    _check_left(made)
+    return trace
+
+
+def _check_left(made: list[Any]) -> None:
+    """Refuse a step that left tensors it made under fake tensors in objects that outlive
+    the trace: those objects would hand a real step a fake tensor.
+
+    Raises:
+        StepStateError: naming where each such tensor is held.
+    """
+    if not any(ref() is not None for ref in made):
+        return
+    gc.collect()  # what a reference cycle alone keeps
+    left = [t for t in (ref() for ref in made) if t is not None]
+    if not left:
+        return
+    holders = sorted({name for tensor in left for name in _holders(tensor)})
+    shown = ", ".join(holders[:5]) or f"{len(left)} objects"
+    raise StepStateError(
+        f"lms: tracing the step left fake tensors in {shown}: the step made state while it ran "
+        "under fake tensors (a GradScaler's scale, a tensor a module caches), and those objects "
+        "now hold tensors a real step cannot use. Make them again, then make their state before "
+        "tune (run one real step first), or tune a step that leaves them out (for a GradScaler: "
+        "loss.backward() with autocast=torch.float16; scaling the loss changes no memory)",
+        holders=holders,
+    )
+
+
+def _holders(tensor: torch.Tensor) -> list[str]:
+    """Where ``tensor`` is held: ``Type.attribute``, or ``Type.table[key]`` for a tensor in a
+    dict attribute (a module's buffers)."""
+    names = []
+    for table in gc.get_referrers(tensor):
+        if not isinstance(table, dict):  # an object whose attributes are not a dict of their own
+            attributes = getattr(table, "__dict__", None)
+            if isinstance(attributes, dict):
+                owner = type(table).__name__
+                names += [f"{owner}.{key}" for key, value in attributes.items() if value is tensor]
+            continue
+        keys = [str(key) for key, value in table.items() if value is tensor]
+        for owner in gc.get_referrers(table):
+            if getattr(owner, "__dict__", None) is table:
+                names += [f"{type(owner).__name__}.{key}" for key in keys]
+            elif isinstance(owner, dict):
+                outer = [str(k) for k, v in owner.items() if v is table]
+                for holder in gc.get_referrers(owner):
+                    if getattr(holder, "__dict__", None) is owner:
+                        names += [
+                            f"{type(holder).__name__}.{name}[{key!r}]"
+                            for name in outer
+                            for key in keys
+                        ]
+    return names
 
 
 def _is_compiled(thing: torch.nn.Module | Callable[..., Any]) -> bool:

@@ -1,0 +1,103 @@
+"""A traced step that uses tensors from outside the model and batch: a GradScaler's scale, a
+frozen teacher's weights, a tensor a module caches."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+import torchvision
+
+import lms
+from lms.analysis import device_spec, simulate, trace_step
+from lms.planning.common import Checker
+from tests.conftest import assert_bitwise
+
+
+def _student():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 8)
+    )
+
+
+def test_a_scaler_made_lazily_in_the_trace_is_refused_naming_it():
+    scaler = torch.amp.GradScaler("cpu")  # its scale is made at its first use
+
+    def step(model, batch):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(batch[0]).float().square().mean()
+        scaler.scale(loss).backward()
+
+    with pytest.raises(lms.StepStateError, match="GradScaler._scale") as caught:
+        lms.LMS(budget="1GiB").tune(_student(), [torch.randn(64, 64)], step)
+    assert "GradScaler._growth_tracker" in caught.value.holders
+    assert "before tune" in str(caught.value)
+
+
+def test_a_module_caching_a_tensor_is_refused_naming_it():
+    class Cache(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            out = self.lin(x)
+            self.last = out.detach()  # kept for a metric, say
+            return out
+
+    model = Cache()
+    with pytest.raises(lms.StepStateError) as caught:
+        trace_step(model, [torch.randn(4, 8)], device="cpu")
+    assert caught.value.holders == ["Cache.last"]
+
+
+def test_a_traced_step_leaves_no_fake_tensor_behind():
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.collect()
+    before = sum(type(o) is FakeTensor for o in gc.get_objects())
+    model = torchvision.models.resnet18(num_classes=10)
+    trace = trace_step(model, [torch.randn(2, 3, 64, 64)], device="cpu", min_offload_bytes=0)
+    assert trace.junctions  # hooked on autograd's nodes while backward ran
+    gc.collect()
+    assert sum(type(o) is FakeTensor for o in gc.get_objects()) == before
+
+
+def test_a_scaler_and_a_teacher_from_outside_trace_and_follow_the_plan(tmp_path, caplog):
+    student, x = _student(), torch.randn(2048, 64)
+    torch.manual_seed(1)
+    teacher = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).requires_grad_(False)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))  # its state made before tune
+
+    def step(model, batch):
+        with torch.no_grad():
+            target = teacher(batch[0])
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = (model(batch[0]).float() - target).square().mean()
+        scaler.scale(loss).backward()
+        return loss.detach()
+
+    def run(ctx=None):
+        student.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            loss = step(student, [x])
+        return loss, [p.grad.clone() for p in student.parameters()]
+
+    ref = run()
+    trace = trace_step(student, [x], step, device="cpu")
+    spec = device_spec("cpu")
+    _, everything_out = Checker(trace, spec, budget_bytes=2**40).require_feasible()
+    budget = (everything_out.peak_bytes + simulate(trace, None, spec).peak_bytes) // 2
+    offload = lms.LMS(budget=budget, tier="disk", spill_dir=str(tmp_path))
+    plan = offload.tune(student, [x], step)
+    assert plan.offload or plan.recompute
+    with caplog.at_level("WARNING", logger="lms"):
+        for _ in range(2):
+            assert_bitwise(ref, run(offload))
+    assert "[LMS] step" not in caplog.text
+    assert type(scaler._scale) is torch.Tensor  # still real
+    offload.close()

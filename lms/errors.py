@@ -9,6 +9,7 @@ __all__ = [
     "SpillError",
     "HostMemoryError",
     "PlanInfeasibleError",
+    "SavedTensorChangedError",
     "StepAbortedError",
     "StepFailedError",
     "StepStateError",
@@ -30,6 +31,11 @@ class HostMemoryError(LMSError):
 
 class StepAbortedError(LMSError):
     """Backward asked for a tensor whose offloaded copy was discarded when its step failed."""
+
+
+class SavedTensorChangedError(LMSError):
+    """An in-place op changed a tensor after autograd saved it for backward (autograd raises
+    the same without LMS)."""
 
 
 class PlanInfeasibleError(LMSError):

@@ -27,7 +27,7 @@ from lms.runtime.pool import available_host_bytes
 from lms.runtime.recompute import Replays
 from lms.runtime.relief import Relief
 from lms.runtime.stats import LMSStats
-from lms.runtime.step import Handle, Step, storage_bytes
+from lms.runtime.step import Handle, Kept, Step, storage_bytes
 from lms.runtime.store import Entry, Offloader
 
 __all__ = ["LMS", "no_offload", "no_offload_in"]
@@ -257,15 +257,15 @@ class LMS:
                     step.level += 1
                     self.stats.saved_tensors += 1
                     self.stats.kept_tensors += 1
-                return tensor
+                return Kept(tensor)
             with self._lock:
                 self._follow.diverge(step, step.level, "plan was made for")
         return self._pack(tensor)
 
     def _unpack_light(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, Handle):  # saved after the step diverged
-            return self._unpack(packed)
-        return packed  # type: ignore[no-any-return]
+        if isinstance(packed, Kept):
+            return packed.unpack()
+        return self._unpack(packed)  # saved after the step diverged
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         with self._lock:
@@ -287,7 +287,7 @@ class LMS:
                 self.stats.kept_tensors += 1
                 if self._keep.movable(tensor):
                     self._note_held(step, tensor)
-                return tensor
+                return Kept(tensor)
             self._offloader.poll()
             storage = tensor.untyped_storage()
             slot = (str(tensor.device), storage.data_ptr())
@@ -437,11 +437,12 @@ class LMS:
         if self._relief.holding:  # a partial gradient's device memory goes once copied out
             with self._lock:
                 self._offloader.poll()
-        if not isinstance(packed, Handle):
+        if isinstance(packed, Kept):
             with self._lock:
                 if self._step is not None:
                     self._step.level += 1
-            return packed
+            return packed.unpack()
+        packed.check()
         entry = packed.entry
         with self._lock:
             self._release_dropped()

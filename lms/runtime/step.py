@@ -10,16 +10,48 @@ from typing import Any
 
 import torch
 
+from lms.errors import SavedTensorChangedError
 from lms.runtime import junctions, policy
 from lms.runtime.store import Entry
 
-__all__ = ["Handle", "Step", "storage_bytes"]
+__all__ = ["Handle", "Kept", "Step", "storage_bytes"]
+
+
+# Note: [Saved tensors changed in place]
+# Autograd refuses, at backward, a saved tensor that an in-place op changed after it was saved
+# (its version counter moved), but not one that saved-tensor hooks packed: without a check, a
+# step that plain PyTorch refuses would train on whatever the copy caught. The runtime checks the
+# same counter. A kept tensor keeps its version beside it. A handle keeps the version and a
+# watch: an alias of the saved tensor that shares its counter (as a view's is its base's) but
+# has an empty storage of its own, so that checking keeps no memory alive and sees changes made
+# before the tensor itself was freed.
+
+
+class Kept:
+    """What autograd holds for a saved tensor the runtime leaves in place."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def unpack(self) -> torch.Tensor:
+        """The tensor (Note [Saved tensors changed in place]).
+
+        Raises:
+            SavedTensorChangedError: an in-place op changed it after it was saved.
+        """
+        tensor = self.tensor
+        if tensor._version != self.version:
+            raise changed_error(tensor, tensor._version, self.version)
+        return tensor
 
 
 class Handle:
     """What autograd holds instead of a saved tensor: its storage entry and view geometry."""
 
-    __slots__ = ("release", "entry", "dtype", "size", "stride", "offset")
+    __slots__ = ("release", "entry", "dtype", "size", "stride", "offset", "version", "watch")
 
     def __init__(self, release: Callable[[Entry], None], entry: Entry, tensor: torch.Tensor):
         self.release = release
@@ -29,9 +61,36 @@ class Handle:
         self.size = tensor.size()
         self.stride = tensor.stride()
         self.offset = tensor.storage_offset()
+        self.version = tensor._version
+        self.watch = tensor.detach()
+        with torch.autograd._unsafe_preserve_version_counter(self.watch):
+            empty = torch.UntypedStorage(0, device=tensor.device)
+            self.watch.set_(empty, 0, (0,), (1,))  # its own empty storage; the counter stays
+
+    def check(self) -> None:
+        """Raise if the saved tensor changed in place (Note [Saved tensors changed in place]).
+
+        Raises:
+            SavedTensorChangedError: its version moved since it was saved.
+        """
+        now = self.watch._version
+        if now != self.version:
+            raise changed_error(self.watch, now, self.version, self.size)
 
     def __del__(self) -> None:
         self.release(self.entry)
+
+
+def changed_error(
+    tensor: torch.Tensor, now: int, saved: int, size: torch.Size | None = None
+) -> SavedTensorChangedError:
+    shape = list(size if size is not None else tensor.shape)
+    return SavedTensorChangedError(
+        f"lms: a tensor saved for backward ({str(tensor.dtype).removeprefix('torch.')} {shape})"
+        f" was changed by an in-place operation after it was saved: it is at version {now}, "
+        f"saved at version {saved}. Autograd refuses the same step without LMS; make that "
+        "operation out of place, or clone the tensor before it"
+    )
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:

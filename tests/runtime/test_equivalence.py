@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import lms
-from tests.conftest import assert_bitwise, run_step
+from tests.conftest import assert_bitwise, run_step, spill_files
 
 
 class Square(torch.autograd.Function):
@@ -154,6 +154,38 @@ def test_no_offload_region_keeps_tensors(spill_dir):
     assert_bitwise(ref, got)
     assert offload.stats.offloaded_tensors == 0
     assert offload.stats.kept_tensors == offload.stats.saved_tensors
+
+
+def _changed_after_save(x):
+    y = x.exp()  # exp saves its output y, sin saves y as its input
+    z = y.sin()
+    y[:8].mul_(2)  # in place, through a view, on a tensor already saved twice
+    return z.sum() + y.sum()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(swapout_threshold=1, min_offload_bytes=0, tier="disk"),
+        dict(swapout_threshold=1, min_offload_bytes=0, tier="host"),
+        dict(min_offload_bytes="1MiB", tier="disk"),  # kept in place
+    ],
+    ids=["disk", "host", "kept"],
+)
+def test_a_saved_tensor_changed_in_place_is_refused_as_autograd_refuses_it(settings, spill_dir):
+    x = torch.randn(256, 256, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _changed_after_save(x).backward()
+    offload = lms.LMS(spill_dir=spill_dir, **settings)
+    changed = pytest.raises(lms.SavedTensorChangedError, match="at version 1, saved at version 0")
+    with changed, offload:
+        _changed_after_save(x).backward()
+    assert offload.stats.offloaded_tensors == (0 if "swapout_threshold" not in settings else 1)
+    # the same step without the in-place change runs, and the runtime is left clean
+    with offload:
+        x.exp().sin().sum().backward()
+    assert spill_files(spill_dir) == []
+    offload.close()
 
 
 def test_shared_storage_goes_out_once(spill_dir):

@@ -155,6 +155,9 @@ def analyze(
             ``"runtime"`` simulates what `lms.LMS` does on its own, without a plan.
         min_offload_bytes: as in `lms.LMS`.
         name: the model's name in reports.
+
+    Raises:
+        ValueError: ``gpu_memory`` is not a size above 0, before anything is traced.
     """
     spec = device_spec if isinstance(device_spec, DeviceSpec) else _spec(device_spec)
     if host_memory is not None:
@@ -162,6 +165,8 @@ def analyze(
     budget = (
         spec.memory_bytes if gpu_memory is None else parse_bytes(gpu_memory, field="gpu_memory")
     )
+    if budget <= 0:
+        raise ValueError(f"lms: gpu_memory={gpu_memory!r} must be more than 0 bytes")
     started = time.perf_counter()
     trace = trace_step(
         model,

@@ -225,6 +225,15 @@ def test_cli_rejects_a_bad_size(capsys):
     assert "--gpu-memory" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("memory", [0, "0GiB"])
+def test_analyze_refuses_no_device_memory_before_tracing(memory):
+    def build():
+        raise AssertionError("built although the memory was refused")
+
+    with pytest.raises(ValueError, match="gpu_memory=.* must be more than 0 bytes"):
+        analyze(build, [torch.randn(1, 3, 8, 8)], gpu_memory=memory)
+
+
 def test_unknown_model_is_a_clear_error(capsys):
     assert main(["analyze", "--model", "vgg99", "--image-size", "64"]) == 2
     assert "not in the zoo" in capsys.readouterr().err

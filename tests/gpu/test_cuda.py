@@ -28,6 +28,20 @@ def test_bitwise_equal_on_cuda(name, sync_mode):
     offload.close()
 
 
+@pytest.mark.parametrize("sync_mode", [0, 3])
+def test_a_saved_tensor_changed_in_place_is_refused_on_cuda(sync_mode):
+    from tests.runtime.test_equivalence import _changed_after_save
+
+    x = torch.randn(256, 256, device="cuda", requires_grad=True)
+    offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, sync_mode=sync_mode)
+    with pytest.raises(lms.SavedTensorChangedError), offload:
+        _changed_after_save(x).backward()
+    with offload:  # the same step without the change runs
+        x.exp().sin().sum().backward()
+    assert offload.stats.offloaded_tensors > 1
+    offload.close()
+
+
 def test_stream_race_stress_low_arithmetic_density():
     """Many cheap elementwise layers: copies and frees race compute unless ordered by events."""
     torch.manual_seed(0)

@@ -368,7 +368,9 @@ class _Saved:
     __slots__ = ("tensor", "recorder")
 
     def __init__(self, tensor: torch.Tensor, recorder: Recorder):
-        self.tensor = tensor
+        # a detached alias: no cycle through the node of an op that saves its own output
+        # (Note [A kept save holds no reference cycle])
+        self.tensor = tensor if tensor.is_leaf else tensor.detach()
         self.recorder = recorder
 
     def __del__(self) -> None:

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lms.analysis.recorder import Recorder
 from lms.analysis.records import Trace
 from lms.config import AUTO_MIN_OFFLOAD_BYTES
-from lms.errors import LMSError, StepStateError, step_failed
+from lms.errors import LMSError, StepStateError, UnplannableStepError, step_failed
 from lms.runtime.keep import leave_modules
 
 __all__ = ["trace_step", "default_step", "StepFn"]
@@ -177,6 +177,13 @@ def trace_step(
             pre.remove()
             post.remove()
             recorder.close()
+        saves = sum(event.kind == "save" for event in recorder.events)
+        if saves and not recorder.seen_backward:
+            raise UnplannableStepError(
+                f"lms: {name}'s step saved {saves} tensors for backward but ran no backward: "
+                "the step function must run forward, the loss and its backward "
+                "(loss.backward()), as a training step does"
+            )
         del result
         grads = [p.grad for p in built.parameters() if p.grad is not None]
         gradient_ids = {recorder.storage_id(g)[0] for g in grads}

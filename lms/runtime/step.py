@@ -28,12 +28,20 @@ __all__ = ["Handle", "Kept", "Step", "storage_bytes"]
 
 
 class Kept:
-    """What autograd holds for a saved tensor the runtime leaves in place."""
+    """What autograd holds for a saved tensor the runtime leaves in place.
+
+    Note: [A kept save holds no reference cycle]
+    An op that saves its own output (softmax, tanh, exp) makes the output's node hold the packed
+    object: holding the output itself would close a cycle (output, node, packed, output) through
+    autograd's C++ node, which Python's collector cannot see, and an output that backward never
+    reaches (a metric computed with gradients on, an unused head) would never be freed. A
+    detached alias has the same storage and version counter and no node.
+    """
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+        self.tensor = tensor if tensor.is_leaf else tensor.detach()
         self.version = tensor._version
 
     def unpack(self) -> torch.Tensor:

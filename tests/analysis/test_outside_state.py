@@ -101,3 +101,18 @@ def test_a_scaler_and_a_teacher_from_outside_trace_and_follow_the_plan(tmp_path,
     assert "[LMS] step" not in caplog.text
     assert type(scaler._scale) is torch.Tensor  # still real
     offload.close()
+
+
+def test_a_saved_output_backward_never_reaches_leaves_no_state():
+    def step(model, batch):
+        hidden = model[0](batch[0])
+        hidden.tanh()  # saves its own output, which backward never reaches
+        model[2](hidden.relu()).sum().backward()
+
+    trace = trace_step(_student(), [torch.randn(32, 64)], step, device="cpu")
+    assert any(op.name == "aten.tanh.default" for op in trace.ops)
+
+
+def test_a_step_without_backward_is_refused():
+    with pytest.raises(lms.UnplannableStepError, match="ran no backward"):
+        lms.LMS(budget="1GiB").tune(_student(), [torch.randn(32, 64)], lambda m, b: m(b[0]).sum())

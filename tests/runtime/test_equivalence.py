@@ -188,6 +188,30 @@ def test_a_saved_tensor_changed_in_place_is_refused_as_autograd_refuses_it(setti
     offload.close()
 
 
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "offloaded"])
+def test_an_output_backward_never_reaches_is_freed_with_its_step(kept, spill_dir):
+    # softmax saves its own output; a save that held the output itself would close a cycle
+    # through autograd's node that nothing collects (Note [A kept save holds no reference cycle])
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 1))
+    settings = (
+        dict(min_offload_bytes="1GiB") if kept else dict(swapout_threshold=1, min_offload_bytes=0)
+    )
+    offload = lms.LMS(spill_dir=spill_dir, tier="disk", **settings)
+    unused = []
+    for _ in range(3):
+        with offload:
+            hidden = model[0](torch.randn(32, 64))
+            unused.append(weakref.ref(hidden.softmax(-1)))  # a metric, say: never in the loss
+            model[1](hidden.relu()).sum().backward()
+    gc.collect()
+    assert [ref() for ref in unused] == [None] * 3
+    offload.close()
+
+
 def test_shared_storage_goes_out_once(spill_dir):
     x = torch.randn(256, 256, requires_grad=True)
     offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, spill_dir=spill_dir)

@@ -25,11 +25,12 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | float | str, *, field: str = "size") -> int:
+def parse_bytes(value: int | float | str, *, field: str = "size", positive: bool = False) -> int:
     """Return a byte count from an int, a float or a string such as ``"10GiB"``.
 
     Raises:
-        ValueError: naming ``field`` when the value is negative or not a size.
+        ValueError: naming ``field`` when the value is negative, 0 where ``positive``, or not a
+            size.
     """
     if isinstance(value, bool):
         raise ValueError(
@@ -52,6 +53,8 @@ def parse_bytes(value: int | float | str, *, field: str = "size") -> int:
         )
     if number < 0:
         raise ValueError(f"lms: {field}={value!r} must be >= 0 bytes")
+    if positive and int(number) == 0:
+        raise ValueError(f"lms: {field}={value!r} must be more than 0 bytes")
     return int(number)
 
 

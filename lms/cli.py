@@ -274,9 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stdout,
     )
     try:
-        memory = getattr(args, "gpu_memory", None)
-        if memory is not None and parse_bytes(memory, field="--gpu-memory") == 0:
-            raise ValueError("lms: --gpu-memory must be more than 0 bytes")
+        if getattr(args, "gpu_memory", None) is not None:
+            parse_bytes(args.gpu_memory, field="--gpu-memory", positive=True)
         if getattr(args, "model", None) is not None and args.batch_size is None:
             from lms.zoo import zoo_model
 

@@ -46,9 +46,7 @@ def sweep(
     entry = zoo_model(model)
     entry.check_batch(batch_size)
     check_counts(step=step, start=step if start is None else start)
-    budget = parse_bytes(gpu_memory, field="gpu_memory")
-    if budget == 0:
-        raise ValueError("lms: gpu_memory must be more than 0 bytes")
+    budget = parse_bytes(gpu_memory, field="gpu_memory", positive=True)
     spec = lookup_spec(device_spec, memory=budget)
     half = amp
     size = start or step

@@ -163,10 +163,10 @@ def analyze(
     if host_memory is not None:
         spec = spec.with_host_memory(host_memory)
     budget = (
-        spec.memory_bytes if gpu_memory is None else parse_bytes(gpu_memory, field="gpu_memory")
+        spec.memory_bytes
+        if gpu_memory is None
+        else parse_bytes(gpu_memory, field="gpu_memory", positive=True)
     )
-    if budget <= 0:
-        raise ValueError(f"lms: gpu_memory={gpu_memory!r} must be more than 0 bytes")
     started = time.perf_counter()
     trace = trace_step(
         model,

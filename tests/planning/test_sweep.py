@@ -51,7 +51,7 @@ def test_a_sweep_that_could_not_grow_or_fit_is_refused_before_tracing():
     for arguments, message in (
         (dict(gpu_memory="1GiB", step=0), "step=0 must be at least 1"),
         (dict(gpu_memory="1GiB", step=64, start=-64), "start=-64 must be at least 1"),
-        (dict(gpu_memory=0, step=64), "gpu_memory must be more than 0 bytes"),
+        (dict(gpu_memory=0, step=64), "gpu_memory=0 must be more than 0 bytes"),
     ):
         with pytest.raises(ValueError, match=message):
             sweep("resnet50", progress=False, **arguments)

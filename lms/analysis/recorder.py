@@ -18,6 +18,7 @@ from lms.analysis.records import JunctionRecord, OpRecord, SavedEvent, StorageRe
 from lms.errors import UnplannableStepError
 from lms.runtime import junctions
 from lms.runtime.keep import offload_blocked
+from lms.runtime.step import without_node
 
 __all__ = ["Recorder"]
 
@@ -145,7 +146,7 @@ class Recorder(TorchDispatchMode):
 
     # -- ops ---------------------------------------------------------------------------------
     def phase(self) -> str:
-        if torch._C._current_graph_task_id() != -1:
+        if junctions.in_backward():
             self.seen_backward = True
             return "backward"
         return "optimizer" if self.seen_backward else "forward"
@@ -219,7 +220,7 @@ class Recorder(TorchDispatchMode):
 
     # -- saved tensors -----------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> _Saved:
-        if self.seen_backward and not self.live_saves and torch._C._current_graph_task_id() == -1:
+        if self.seen_backward and not self.live_saves and not junctions.in_backward():
             where = self.stack[-1] if self.stack else "the step function"
             raise UnplannableStepError(
                 f"lms: the step runs forward again after its backward finished (a tensor saved "
@@ -250,7 +251,7 @@ class Recorder(TorchDispatchMode):
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
         tensor = saved.tensor
-        if not self.walked and torch._C._current_graph_task_id() != -1:
+        if not self.walked and junctions.in_backward():
             self.walked = True
             root = torch._C._current_autograd_node()
             edges: dict[junctions.Edge, int] = {}
@@ -368,9 +369,7 @@ class _Saved:
     __slots__ = ("tensor", "recorder")
 
     def __init__(self, tensor: torch.Tensor, recorder: Recorder):
-        # a detached alias: no cycle through the node of an op that saves its own output
-        # (Note [A kept save holds no reference cycle])
-        self.tensor = tensor if tensor.is_leaf else tensor.detach()
+        self.tensor = without_node(tensor)  # Note [A kept save holds no reference cycle]
         self.recorder = recorder
 
     def __del__(self) -> None:
@@ -386,7 +385,7 @@ class _ForwardNodes(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         out = func(*args, **(kwargs or {}))
-        if torch._C._current_graph_task_id() == -1:
+        if not junctions.in_backward():
             self.nodes.extend(_nodes(out))
         return out
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-import torch
-
 from lms.config import LMSConfig
 from lms.plan import Plan
 from lms.runtime import policy
@@ -20,11 +18,6 @@ from lms.runtime.step import Step
 from lms.runtime.store import Entry
 
 __all__ = ["Follow"]
-
-
-def in_backward() -> bool:
-    """Whether autograd's engine is running a backward pass on this thread."""
-    return bool(torch._C._current_graph_task_id() != -1)
 
 
 log = logging.getLogger("lms.runtime")

@@ -38,9 +38,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["Edge", "edge_of", "fan_in", "attach", "partials_taken"]
+__all__ = ["Edge", "edge_of", "fan_in", "attach", "partials_taken", "in_backward"]
 
 Edge = tuple[Any, int]
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass on this thread."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 """An autograd edge: the node that produced a tensor and the tensor's output number there."""
 
 

@@ -65,7 +65,7 @@ class Relief:
 
     def hook(self, step: Step, plan: Plan | None) -> None:
         """At the first read in backward: hook ``plan``'s junctions in the graph it runs."""
-        if torch._C._current_graph_task_id() == -1 or plan is None:
+        if not junctions.in_backward() or plan is None:
             return
         step.walked = True
         root = torch._C._current_autograd_node()

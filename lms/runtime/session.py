@@ -21,7 +21,8 @@ from lms._units import format_bytes
 from lms.config import LMSConfig
 from lms.plan import Plan
 from lms.runtime import policy
-from lms.runtime.follow import Follow, in_backward
+from lms.runtime.follow import Follow
+from lms.runtime.junctions import in_backward
 from lms.runtime.keep import Keep, leave_modules, no_offload, no_offload_in
 from lms.runtime.pool import available_host_bytes
 from lms.runtime.recompute import Replays

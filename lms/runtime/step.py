@@ -14,7 +14,7 @@ from lms.errors import SavedTensorChangedError
 from lms.runtime import junctions, policy
 from lms.runtime.store import Entry
 
-__all__ = ["Handle", "Kept", "Step", "storage_bytes"]
+__all__ = ["Handle", "Kept", "Step", "storage_bytes", "without_node"]
 
 
 # Note: [Saved tensors changed in place]
@@ -27,8 +27,8 @@ __all__ = ["Handle", "Kept", "Step", "storage_bytes"]
 # before the tensor itself was freed.
 
 
-class Kept:
-    """What autograd holds for a saved tensor the runtime leaves in place.
+def without_node(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a pack hook may hold it: a detached alias unless it is a leaf.
 
     Note: [A kept save holds no reference cycle]
     An op that saves its own output (softmax, tanh, exp) makes the output's node hold the packed
@@ -37,11 +37,16 @@ class Kept:
     reaches (a metric computed with gradients on, an unused head) would never be freed. A
     detached alias has the same storage and version counter and no node.
     """
+    return tensor if tensor.is_leaf else tensor.detach()
+
+
+class Kept:
+    """What autograd holds for a saved tensor the runtime leaves in place."""
 
     __slots__ = ("tensor", "version")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor if tensor.is_leaf else tensor.detach()
+        self.tensor = without_node(tensor)
         self.version = tensor._version
 
     def unpack(self) -> torch.Tensor:

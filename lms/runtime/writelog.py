@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lms.analysis.recompute import RECOMPUTABLE_OPS
+from lms.runtime.junctions import in_backward
 
 __all__ = ["WriteLog", "Call", "Recipe", "Slot"]
 
@@ -142,7 +143,7 @@ class WriteLog(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if torch._C._current_graph_task_id() != -1:  # backward: nothing to learn
+        if in_backward():  # backward: nothing to learn
             return out
         leaves, spec = tree_flatten((args, kwargs))
         read = {

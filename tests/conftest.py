@@ -73,3 +73,13 @@ def hooks_are_gone():
     node = out.grad_fn
     assert not module._global_forward_pre_hooks
     return type(node._saved_result) is torch.Tensor
+
+
+def midway_budget(trace, spec):
+    """A budget halfway between the peak with every saved storage moved (what stays is the
+    floor) and the peak with none moved: a plan must move some, and some plan fits."""
+    from lms.analysis import simulate
+    from lms.planning.common import Checker
+
+    _, everything_out = Checker(trace, spec, budget_bytes=2**40).require_feasible()
+    return (everything_out.peak_bytes + simulate(trace, None, spec).peak_bytes) // 2

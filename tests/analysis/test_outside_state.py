@@ -9,9 +9,8 @@ import torch.nn as nn
 import torchvision
 
 import lms
-from lms.analysis import device_spec, simulate, trace_step
-from lms.planning.common import Checker
-from tests.conftest import assert_bitwise
+from lms.analysis import device_spec, trace_step
+from tests.conftest import assert_bitwise, midway_budget
 
 
 def _student():
@@ -90,8 +89,7 @@ def test_a_scaler_and_a_teacher_from_outside_trace_and_follow_the_plan(tmp_path,
     ref = run()
     trace = trace_step(student, [x], step, device="cpu")
     spec = device_spec("cpu")
-    _, everything_out = Checker(trace, spec, budget_bytes=2**40).require_feasible()
-    budget = (everything_out.peak_bytes + simulate(trace, None, spec).peak_bytes) // 2
+    budget = midway_budget(trace, spec)
     offload = lms.LMS(budget=budget, tier="disk", spill_dir=str(tmp_path))
     plan = offload.tune(student, [x], step)
     assert plan.offload or plan.recompute

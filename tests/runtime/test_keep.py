@@ -12,7 +12,7 @@ from lms.plan import Plan
 from lms.planning import plan_auto
 from lms.planning.common import Checker
 from lms.runtime.keep import offload_blocked, submodules
-from tests.conftest import assert_bitwise, run_step
+from tests.conftest import assert_bitwise, midway_budget, run_step
 
 
 def _block():
@@ -54,9 +54,7 @@ def _tuned_steps(model, inputs, tmp_path, caplog):
     ref = run_step(model, inputs)
     trace = trace_step(model, inputs, _step, device="cpu")
     spec = device_spec("cpu")
-    # Halfway between everything moved (what stays is the floor) and nothing moved.
-    _, everything_out = Checker(trace, spec, budget_bytes=2**40).require_feasible()
-    budget = (everything_out.peak_bytes + simulate(trace, None, spec).peak_bytes) // 2
+    budget = midway_budget(trace, spec)
     offload = lms.LMS(budget=budget, tier="disk", spill_dir=str(tmp_path))
     plan = offload.tune(model, inputs, _step)
     with caplog.at_level("WARNING", logger="lms"):

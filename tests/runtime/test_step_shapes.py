@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 import lms
 from lms.analysis import device_spec, simulate, trace_step
 from lms.planning.common import Checker
-from tests.conftest import assert_bitwise
+from tests.conftest import assert_bitwise, midway_budget
 
 
 def _mlp():
@@ -130,8 +130,7 @@ def test_accumulation_follows_a_micro_batch_plan_in_blocks_and_warns_in_one(tmp_
     micro = [x[0::3]]
     trace = trace_step(model, micro, lambda m, b: _micro(m, *b), device="cpu")
     spec = device_spec("cpu")
-    _, everything_out = Checker(trace, spec, budget_bytes=2**40).require_feasible()
-    budget = (everything_out.peak_bytes + simulate(trace, None, spec).peak_bytes) // 2
+    budget = midway_budget(trace, spec)
     offload = lms.LMS(budget=budget, tier="disk", spill_dir=str(tmp_path))
     plan = offload.tune(model, micro, lambda m, b: _micro(m, *b))
     assert plan.offload or plan.recompute

@@ -45,10 +45,19 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     entry = zoo_model(MODEL)
     spec = local_device_spec(device)
 
-    # 1. Trace with fake tensors: the plain peak sets the budget; then plan for it.
+    # 1. Trace with fake tensors, in the layout it trains in (a CPU's convolutions take scratch
+    # memory in the contiguous one): the plain peak sets the budget; then plan for it.
+    fmt = torch.channels_last
+    torch.manual_seed(0)
+    model = entry.build().to(device).to(memory_format=fmt)
+
+    def make_batch() -> list[torch.Tensor]:
+        images, labels = entry.make_batch(size, batch)
+        return [images.contiguous(memory_format=fmt), labels]
+
     trace = trace_step(
-        entry.build,
-        lambda: entry.make_batch(size, batch),
+        model,
+        make_batch,
         entry.step_fn,
         device=device,
         name=f"{MODEL} {size}px batch {batch}",
@@ -69,13 +78,8 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     report.save_snapshot(snapshot_path)
 
     # 2. Train for real with LMS on.
-    torch.manual_seed(0)
-    fmt = torch.channels_last
-    model = entry.build().to(device).to(memory_format=fmt)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    images, labels = entry.make_batch(size, batch)
-    images = images.to(device).contiguous(memory_format=fmt)
-    labels = labels.to(device)
+    images, labels = (t.to(device) for t in make_batch())
     assert entry.step_fn is not None
     plan = report.plan if report.plan is not None and report.plan.source != "infeasible" else None
     offload = LMS(budget=budget, plan=plan)

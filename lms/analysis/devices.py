@@ -44,6 +44,9 @@ class DeviceSpec:
     """Spill-file write rate, GB/s (a local NVMe drive)."""
     disk_read_gbps: float = 3.0
     """Spill-file read rate, GB/s."""
+    cpu_scratch: bool = False
+    """Ops take the CPU's scratch memory on top of their tensors while they run
+    (`lms.analysis.records.OpRecord.cpu_scratch_bytes`): the "cpu" spec."""
 
     def with_memory(self, memory: int | str) -> DeviceSpec:
         """The same device with another memory size (a limited or a larger card)."""
@@ -100,6 +103,7 @@ DEVICES: dict[str, DeviceSpec] = {
             h2d_gbps=3.0,
             link="spill files (page cache and disk)",
             op_overhead_s=20e-6,
+            cpu_scratch=True,
         ),
     )
 }

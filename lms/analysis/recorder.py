@@ -3,6 +3,7 @@ aten op, storage and saved-tensor event, and the gradient junctions backward mee
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -59,6 +60,10 @@ class Recorder(TorchDispatchMode):
         self.joined: list[JunctionRecord] = []
         self.meeting: dict[Any, int] = {}  # junction: how many partials meet there
         self.made: list[weakref.ref[torch.Tensor]] = []  # every tensor an op made
+        # Note [Tensors the step's code holds]: forward's outputs, and when the last of each
+        # storage's died
+        self.held: list[tuple[int, weakref.ref[torch.Tensor]]] = []
+        self.let_go: dict[int, int] = {}
 
     def close(self) -> None:
         """Let go of the step's autograd nodes: the hooks on junctions call back here, and a
@@ -134,6 +139,12 @@ class Recorder(TorchDispatchMode):
 
         return callback
 
+    def _dropped(self, sid: int) -> Callable[[Any], None]:
+        def callback(_: Any) -> None:
+            self.let_go[sid] = max(self.let_go.get(sid, -1), len(self.ops) - 1)
+
+        return callback
+
     def register(self, tensors: Iterator[torch.Tensor], kind: str) -> int:
         total = 0
         for tensor in tensors:
@@ -154,7 +165,8 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self._note_made(out, args, kwargs)
+        given = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        self._note_made(out, given)
         name = str(func)
         if name in _SKIP_OPS:
             return out
@@ -174,6 +186,8 @@ class Recorder(TorchDispatchMode):
                     self.nbytes[sid] = workspace[1]
                 if new or sid in inputs and _writes_inplace(func):
                     outputs[sid] = self.nbytes[sid]
+                if phase == "forward" and id(value) not in given:
+                    self.held.append((sid, weakref.ref(value, self._dropped(sid))))
         level = 1
         for sid in inputs:
             producer = self.writer.get(sid)
@@ -204,14 +218,15 @@ class Recorder(TorchDispatchMode):
                 written_bytes=sum(outputs.values()),
                 inputs=tuple(inputs),
                 outputs=tuple(outputs),
+                cpu_scratch_bytes=_cpu_scratch(name, args, out),
             )
         )
         self.op_level.append(level)
         return out
 
-    def _note_made(self, out: Any, args: Any, kwargs: Any) -> None:
-        """Keep a weak reference to each new tensor ``out`` holds (not an in-place op's input)."""
-        given = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    def _note_made(self, out: Any, given: set[int]) -> None:
+        """Keep a weak reference to each new tensor ``out`` holds (not one of the op's inputs,
+        by id in ``given``)."""
         self.made.extend(
             weakref.ref(t)
             for t in tree_flatten(out)[0]
@@ -315,6 +330,17 @@ class Recorder(TorchDispatchMode):
     # -- result ------------------------------------------------------------------------------
     def storage_records(self, gradients: set[int], states: set[int]) -> list[StorageRecord]:
         """Every storage seen, by id; those in ``gradients`` and ``states`` named so."""
+        # Note: [Tensors the step's code holds]
+        # An offloaded or recomputed storage frees memory once autograd's save is all that holds
+        # it. The step's code may hold it longer: a U-Net's forward keeps each block's output in
+        # a local until it returns, a block its upsampled input until its convolutions have run.
+        # The trace watches every tensor forward's ops return: a storage is in use until the last
+        # of them dies (to the step's end for those still alive now), where the runtime's copy
+        # frees it, not at its last read.
+        last = len(self.ops) - 1
+        for sid, ref in self.held:
+            if ref() is not None:
+                self.let_go[sid] = last
         storages = []
         for sid, nbytes in enumerate(self.nbytes):
             kind = self.kind[sid]
@@ -329,7 +355,7 @@ class Recorder(TorchDispatchMode):
                     kind=kind,  # type: ignore[arg-type]
                     alloc_op=self.alloc_op[sid],
                     free_op=self.free_op[sid],
-                    last_forward_op=self.last_forward[sid],
+                    last_forward_op=max(self.last_forward[sid], self.let_go.get(sid, -1)),
                 )
             )
         return storages
@@ -360,6 +386,89 @@ def _workspace(func: Any, args: Any, kwargs: Any, out: Any) -> tuple[torch.Tenso
     layers = 1 if "mkldnn" in str(func) else int(named.get("num_layers", 1))
     gates = _GATES.get(int(named.get("mode", 2)), 4)
     return out[position], _BYTES_PER_GATE * gates * out[0].numel() * layers
+
+
+# Note: [Convolution scratch on the CPU]
+# A convolution on a CPU takes memory for itself while it runs, on top of its tensors, which fake
+# tensors do not show. How much depends on the kernel PyTorch picks for it (which
+# `torch._C._select_conv_backend` tells from the tensors' shapes, layout and dtype), measured as
+# the heap in use sampled while each op ran (PyTorch 2.14, AVX-512; 2D and 3D, 1x1 to 7x7,
+# strided, dilated, grouped, transposed; ResNet50, DeepLabV3, a 3D U-Net):
+# - oneDNN copies the weights into its blocked layout, and in backward also makes their gradient
+#   there (2048->256 channels 3x3: 18 MiB forward, 36 backward). Tensors in the contiguous layout
+#   (NCHW, NCDHW) are copied in too, and the results back: forward took the larger of its input
+#   and output (64->64 channels 3x3 at 512x512: 64.2 MiB), twice its output when transposed;
+#   backward the output gradient plus the larger of the input and the input gradient (128.2 MiB
+#   there), plus both when strided; channels counted up to a whole block of 16. In the
+#   channels-last layout oneDNN takes activations as they are, but for twice the output gradient
+#   in a strided backward (64->128 3x3 stride 2 at 512x512: 64.6 MiB) and the output of a
+#   transposed forward.
+# - The native kernels PyTorch keeps for small convolutions (one sample of few channels, fp32)
+#   unfold the input into columns, one per kernel tap: channels in x kernel taps x output
+#   positions (8->8 3x3x3 at 48^3: 91.1 MiB for tensors of 3.4 MiB), forward and backward alike;
+#   a transposed one, channels out x taps x input positions.
+# These are estimates: most ops came within 2% of them (a few small ones further off either way),
+# and the step of each model above within 3% of its simulation without offload, but for one case
+# left out: a dilated convolution whose kernel spans more than its input (DeepLabV3's
+# ASPP at dilation 24 and 36 over 32x32) takes 152 MiB in backward where 36 are estimated, which
+# leaves DeepLabV3's CPU step 16% above its simulation. The simulator counts them for the "cpu"
+# spec only (`DeviceSpec.cpu_scratch`). Other ops' scratch is small.
+_CONVOLUTIONS = {"aten.convolution.default", "aten.convolution_backward.default"}
+_CHANNEL_BLOCK = 16
+
+
+def _cpu_scratch(name: str, args: Any, out: Any) -> int:
+    """Bytes a convolution takes beyond its tensors on a CPU (Note [Convolution scratch on the
+    CPU]); 0 for any other op."""
+    if name not in _CONVOLUTIONS:
+        return 0
+    backward = name.endswith("backward.default")
+    grad_out, given, weight = args[:3] if backward else (out, args[0], args[1])
+    if given.device.type != "cpu" or given.dim() not in (4, 5):
+        return 0
+    settings = args[4:10] if backward else args[3:9]  # stride, padding, ..., groups
+    transposed, groups = bool(settings[3]), settings[5]
+    kernel = _backend(given, weight, *settings)
+    if kernel.startswith("Slow"):
+        taps = math.prod(weight.shape[2:])
+        if transposed:
+            columns = weight.size(1) * groups * taps * math.prod(given.shape[2:])
+        else:
+            columns = given.size(1) * taps * math.prod(grad_out.shape[2:])
+        return columns * given.size(0) * given.element_size()
+    if kernel != "Mkldnn":
+        return 0
+    # its weights in the blocked layout, and backward's weight gradient before it is copied out
+    weights = weight.numel() * weight.element_size() * (2 if backward else 1)
+    layout = torch.channels_last if given.dim() == 4 else torch.channels_last_3d
+    pair = given, weight
+    last = any(t.is_contiguous(memory_format=layout) and not t.is_contiguous() for t in pair)
+    strided = any(step > 1 for step in settings[0])
+    made = grad_out.numel() * grad_out.element_size()  # the output, or its gradient
+    if last:
+        if backward:
+            return weights + (2 * made if strided and not transposed else 0)
+        return weights + (made if transposed else 0)
+    pad = _blocked(given), _blocked(grad_out)
+    if not backward:
+        return weights + (2 * pad[1] if transposed else max(pad))
+    input_grad = pad[0] if args[10][0] else 0
+    return weights + pad[1] + (pad[0] + input_grad if strided else max(pad[0], input_grad))
+
+
+def _backend(given: torch.Tensor, weight: torch.Tensor, *settings: Any) -> str:
+    """The name of the kernel PyTorch runs a convolution with ("Mkldnn", "Slow2d", ...)."""
+    try:
+        return str(torch._C._select_conv_backend(given, weight, None, *settings, None).name)
+    except (AttributeError, TypeError, RuntimeError):  # a PyTorch without it: the usual one
+        return "Mkldnn"
+
+
+def _blocked(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor`` with its channels (dim 1) counted up to a whole block."""
+    channels = tensor.size(1)
+    blocked = -(-channels // _CHANNEL_BLOCK) * _CHANNEL_BLOCK
+    return tensor.numel() * tensor.element_size() // max(channels, 1) * blocked
 
 
 class _Saved:

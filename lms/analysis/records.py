@@ -38,6 +38,9 @@ class OpRecord:
     """Storage ids read."""
     outputs: tuple[int, ...]
     """Storage ids written (new allocations and in-place targets)."""
+    cpu_scratch_bytes: int = 0
+    """Memory the op takes for itself while it runs on a CPU, on top of its tensors: oneDNN's
+    copies of a convolution's tensors (Note [Convolution scratch on the CPU])."""
 
     @property
     def working_set_bytes(self) -> int:
@@ -57,7 +60,9 @@ class StorageRecord:
     free_op: int | None
     """Last op during which it was alive; None when it outlives the step."""
     last_forward_op: int
-    """Last forward op that read or wrote it (-1 if none): when it dies if autograd lets go."""
+    """Last forward op that read or wrote it, or after which the last tensor of it that the
+    step's code held died, if later (-1 if none): when it dies if autograd lets go (Note [Tensors
+    the step's code holds])."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +220,8 @@ class Trace:
         header = [self.name, self.input_shapes, self.device, *(["compiled"] * self.compiled)]
         digest.update(json.dumps(header).encode())
         for op in self.ops:
-            digest.update(f"{op.name}:{op.read_bytes}:{op.written_bytes};".encode())
+            scratch = f":{op.cpu_scratch_bytes}" if op.cpu_scratch_bytes else ""
+            digest.update(f"{op.name}:{op.read_bytes}:{op.written_bytes}{scratch};".encode())
         for event in self.events:
             digest.update(f"{event.kind}{event.nbytes}{int(event.offloadable)};".encode())
         return digest.hexdigest()[:16]

@@ -5,7 +5,8 @@ FLOPs at the device's peak rate and its bytes at the memory bandwidth. Copies ou
 or to disk) and copies in run on one channel per direction, overlapping compute; an op that needs
 a tensor still on its way in waits for it. Device memory counts every storage between the start of
 the op that allocates it and the end of the op after which it is freed, rounded up by the
-allocator's block size, plus the device's workspace margin.
+allocator's block size, plus the device's workspace margin; on a CPU, each op's scratch while it
+runs (Note [Convolution scratch on the CPU]).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Interval(NamedTuple):
     """
 
     storage: int
+    """The storage's id; -1 for an op's scratch."""
     nbytes: int
     start_s: float
     end_s: float
@@ -159,7 +161,7 @@ def simulate(
     """
     seconds = op_seconds(trace, spec, half)
     clock = Clock(trace, plan, spec, seconds)
-    held = _Residency(clock)
+    held = _Residency(clock, spec.cpu_scratch)
     times, device, host, peak_tensor = _sweep(held.intervals, held.host_spans, spec)
     peak_rounded = max(device, default=0)
     peak_time = times[device.index(peak_rounded)] if device else 0.0
@@ -195,8 +197,9 @@ class _Residency:
     """When each storage of a clocked step is on the device (``intervals``), and when each
     offloaded copy is in host memory (``host_spans``) or in a spill file (``disk_spans``)."""
 
-    def __init__(self, clock: Clock):
+    def __init__(self, clock: Clock, cpu_scratch: bool):
         self.clock = clock
+        self.scratch = _scratch_ops(clock.trace) if cpu_scratch else {}
         self.intervals: list[Interval] = []
         self.host_spans: list[_Span] = []
         self.disk_spans: list[_Span] = []
@@ -226,6 +229,8 @@ class _Residency:
                 end = end_s if free is None or free >= num_ops else done_at[free]
                 begin = 0.0 if record.alloc_op < 0 else start[record.alloc_op]
                 self.intervals.append(Interval(sid, record.nbytes, begin, end, record.kind))
+        for index, nbytes in self.scratch.items():  # Note [Convolution scratch on the CPU]
+            self.intervals.append(Interval(-1, nbytes, start[index], done_at[index], "scratch"))
 
     def _begin(self, record: StorageRecord) -> float:
         return 0.0 if record.alloc_op < 0 else self.clock.start[record.alloc_op]
@@ -266,6 +271,9 @@ class _Residency:
         for scratch in clock.chosen[ordinal].scratch:  # made on the way, freed at its end
             nbytes = clock.trace.storages[scratch].nbytes
             self.intervals.append(Interval(scratch, nbytes, start, end, "recomputed"))
+        most = max((self.scratch.get(i, 0) for i in clock.chosen[ordinal].all_ops), default=0)
+        if most:  # the largest replayed op's, while the replay runs
+            self.intervals.append(Interval(-1, most, start, end, "scratch"))
 
     def _moved(self, record: StorageRecord, ordinal: int) -> None:
         """On the device until copied out, and again from each load to the use it serves."""
@@ -287,6 +295,16 @@ class _Residency:
             for load_s, end_s in zip(starts, ends, strict=True):
                 self._add(record, load_s, end_s, "reloaded")
         self._hold(ordinal, finish, record.nbytes)
+
+
+def _scratch_ops(trace: Trace) -> dict[int, int]:
+    """The ops that take CPU scratch, and its bytes (Note [A trace derives once])."""
+    found = trace.memo.get("cpu_scratch")
+    if found is None:
+        found = trace.memo["cpu_scratch"] = {
+            op.index: op.cpu_scratch_bytes for op in trace.ops if op.cpu_scratch_bytes
+        }
+    return found  # type: ignore[no-any-return]
 
 
 _MERGED = -1  # role of the sum's storage

@@ -56,8 +56,10 @@ def _build(
     """The module to trace, and whether it is real (its state to be faked while tracing).
 
     A builder runs under fake tensors, so that a model too large for this machine's memory
-    costs none; one whose own code reads a tensor's value (RegNet computes its widths with
-    tensors), which fake tensors cannot give, is built for real instead.
+    costs none. One whose own code reads a tensor's value (RegNet computes its widths with
+    tensors), which fake tensors cannot give, or converts the module it made
+    (``.to(memory_format=torch.channels_last)``, which PyTorch cannot do to fake parameters), is
+    built for real instead.
     """
     if isinstance(model, torch.nn.Module):
         return model, True
@@ -69,6 +71,15 @@ def _build(
             "[LMS] the model's builder reads the value of a tensor (%s), which fake tensors "
             "do not have; building it for real on the CPU",
             error.func,
+        )
+        built, real = model(), True
+    except RuntimeError as error:
+        if not str(error).startswith("_apply(): Couldn't swap"):
+            raise
+        log.info(
+            "[LMS] the model's builder converts its parameters (%s), which PyTorch cannot do to "
+            "fake ones; building it for real on the CPU",
+            error,
         )
         built, real = model(), True
     if not isinstance(built, torch.nn.Module):

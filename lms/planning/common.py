@@ -100,15 +100,21 @@ class Checker:
         # Note: [Inputs in plans]
         # An input, held by the caller since before the step, frees nothing when moved, and what
         # comes back is a second copy (which the simulator counts, for plans made otherwise, such
-        # as the runtime's budget policy): plans keep inputs.
+        # as the runtime's budget policy): plans keep inputs, and likewise what the step's code
+        # holds into backward (the model's output kept in a variable while backward runs: Note
+        # [Tensors the step's code holds]).
         storages = self.trace.storages
+        backward = self.trace.backward_start_op
         self.pinned = frozenset(
             ordinal
             for ordinal, (storage, _, _) in enumerate(self.trace.entries())
-            if storages[storage].alloc_op < 0 or storage in self.trace.held
+            if storages[storage].alloc_op < 0
+            or storage in self.trace.held
+            or storages[storage].last_forward_op >= backward
         )
-        """Entries every plan keeps: inputs (held since before the step) and storages a kept
-        save holds; moving or recomputing one frees nothing."""
+        """Entries every plan keeps: inputs (held since before the step), storages a kept save
+        holds, and those the step's code holds into backward; moving or recomputing one frees
+        nothing."""
 
     def spill_for(self, offload: Iterable[int]) -> tuple[int, ...]:
         """Which of ``offload`` go to disk so that host memory holds the rest: `place_spill`."""

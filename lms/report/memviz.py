@@ -26,6 +26,7 @@ _CATEGORIES = {
     "recomputed": "activation",
     "gradient": "gradient",
     "state": "optimizer_state",
+    "scratch": "temporary",
 }
 
 
@@ -35,7 +36,8 @@ def snapshot_dict(trace: Trace, result: SimResult) -> dict[str, Any]:
     address = 0x7F0000000000
     for order, span in enumerate(result.intervals):
         size = -(-span.nbytes // 512) * 512
-        frames = [{"filename": trace.name, "line": 0, "name": f"storage {span.storage}"}]
+        name = f"storage {span.storage}" if span.storage >= 0 else "an op's scratch"
+        frames = [{"filename": trace.name, "line": 0, "name": name}]
         common = {
             "addr": address,
             "size": size,

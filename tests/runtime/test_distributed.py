@@ -49,7 +49,7 @@ def _worker(rank, folder, offloaded):
         if offloaded:
             spill = os.path.join(folder, f"spill{rank}")
             os.mkdir(spill)
-            offload = lms.LMS(budget="1.5MiB", min_offload_bytes=0, spill_dir=spill)
+            offload = lms.LMS(budget="2MiB", min_offload_bytes=0, spill_dir=spill)
             offload.tune(model, batch, _step, cache_dir=os.path.join(folder, f"plans{rank}"))
         for _ in range(2):
             optimizer.zero_grad()

@@ -354,8 +354,7 @@ def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(where, spil
         elif compiled and where == "step":
             compiled_step = torch.compile(step)
         ref = run(model, compiled_step)
-        budget = "4MiB" if where == "function" else "3MiB"  # its product is one more tensor
-        offload = lms.LMS(budget=budget, tier="disk", spill_dir=spill_dir, model=model)
+        offload = lms.LMS(budget="4MiB", tier="disk", spill_dir=spill_dir, model=model)
         plans.append(offload.tune(model, [x], compiled_step, cache_dir=spill_dir))
         assert_bitwise(ref, run(model, compiled_step))  # tuning left the compiled code as it was
         for _ in range(2):

@@ -220,16 +220,12 @@ def report_for(
                 plan = plan_auto(trace, spec, budget, half=half)
         except PlanInfeasibleError as error:
             log.info("[LMS] %s", str(error).removeprefix("lms: "))
-            everything = len(trace.entries())
-            plan = Plan(
-                fingerprint=trace.fingerprint(),
-                offload=tuple(range(everything)),
-                num_entries=everything,
-                swapin_ahead=1,
-                sync_mode=3,
-                budget_bytes=budget,
-                source="infeasible",
-            )
+            from lms.planning.common import Checker
+
+            # everything a plan may move, as the smallest-memory plan moves it
+            everything = range(len(trace.entries()))
+            checker = Checker(trace, spec, budget, half=half)
+            plan = checker.plan(everything, ahead=1, sync_mode=3, source="infeasible")
         planned = simulate(trace, plan, spec, half=half)
         plan = dataclasses.replace(
             plan, predicted_peak_bytes=planned.peak_bytes, predicted_overhead=planned.overhead

@@ -178,6 +178,19 @@ class Trace:
         )
 
     @functools.cached_property
+    def held_by_code(self) -> frozenset[int]:
+        """Storages that may move but that the step's code holds into backward (a variable that
+        keeps the model's output while backward runs, a library's workspace): moving one frees
+        nothing (Note [Tensors the step's code holds])."""
+        start = self.backward_start_op
+        return frozenset(
+            storage
+            for storage, _, _ in self._entries
+            if self.storages[storage].alloc_op >= 0
+            and self.storages[storage].last_forward_op >= start
+        )
+
+    @functools.cached_property
     def _uses(self) -> dict[int, tuple[int, ...]]:
         uses: dict[int, list[int]] = {}
         for event in self.events:

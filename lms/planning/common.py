@@ -104,13 +104,12 @@ class Checker:
         # holds into backward (the model's output kept in a variable while backward runs: Note
         # [Tensors the step's code holds]).
         storages = self.trace.storages
-        backward = self.trace.backward_start_op
         self.pinned = frozenset(
             ordinal
             for ordinal, (storage, _, _) in enumerate(self.trace.entries())
             if storages[storage].alloc_op < 0
             or storage in self.trace.held
-            or storages[storage].last_forward_op >= backward
+            or storage in self.trace.held_by_code
         )
         """Entries every plan keeps: inputs (held since before the step), storages a kept save
         holds, and those the step's code holds into backward; moving or recomputing one frees

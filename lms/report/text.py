@@ -37,10 +37,24 @@ def info_lines(
         f"{format_bytes(spec.workspace_bytes)} workspace margin) on {spec.name} with "
         f"{format_bytes(budget_bytes)} for the step",
     ]
+    scratch = max(trace.ops, key=lambda op: op.cpu_scratch_bytes, default=None)
+    if spec.cpu_scratch and scratch is not None and scratch.cpu_scratch_bytes:
+        lines.append(
+            f"[LMS] Convolutions take up to {format_bytes(scratch.cpu_scratch_bytes)} of scratch "
+            f"memory while they run ({scratch.name} at {scratch.module}); in the channels-last "
+            "layout oneDNN copies less"
+        )
     if plain.peak_bytes <= budget_bytes:
         lines.append("[LMS] LMS is not needed: the step fits without offloading")
         return lines
     lines.append("[LMS] LMS is needed")
+    held = [nbytes for storage, nbytes, _ in trace.entries() if storage in trace.held_by_code]
+    if held:
+        lines.append(
+            f"[LMS] {len(held)} saved storages ({format_bytes(sum(held))}) stay on the device: "
+            "the step's code holds them into backward (a variable that keeps the model's output, "
+            "a library's workspace), so moving them would free nothing"
+        )
     if plan is None or planned is None:
         return lines
     fits = "fits" if planned.peak_bytes <= budget_bytes else "does NOT fit"

@@ -121,6 +121,26 @@ def test_lines_say_what_tflms_said(report):
     assert "Predicted peak with LMS" in text
 
 
+def test_lines_say_what_stays_for_the_code_and_what_convolutions_take_on_a_cpu():
+    # The default step keeps the model's output in a variable while backward runs, and the last
+    # Tanh saved it: no plan moves it. Contiguous convolutions take oneDNN's copies on a CPU.
+    def report_on(spec, memory):
+        batch = [torch.randn(8, 3, 128, 128)]
+        return analyze(deep, lambda: batch, gpu_memory=memory, device_spec=spec)
+
+    cpu = report_on("cpu", "70MiB")
+    text = "\n".join(cpu.lines())
+    assert "1 saved storages (8.00 MiB) stay on the device: the step's code holds them" in text
+    assert "Convolutions take up to" in text and "aten.convolution_backward.default" in text
+    entries = [storage for storage, _, _ in cpu.trace.entries()]
+    held = [entries.index(storage) for storage in cpu.trace.held_by_code]
+    assert cpu.plan is not None and cpu.plan.source != "infeasible" and cpu.plan.offload
+    assert held and not set(held) & set(cpu.plan.offload + cpu.plan.recompute)
+    for plan in (report_on("cpu", "10MiB").plan, report_on("v100-16gb", "70MiB").plan):
+        assert plan is not None and not set(held) & set(plan.offload)  # nor when nothing fits
+    assert "Convolutions take up to" not in "\n".join(report_on("v100-16gb", "70MiB").lines())
+
+
 def test_the_analysis_is_logged_before_the_planner_speaks(caplog):
     with caplog.at_level("INFO", logger="lms"):
         analyze(deep, lambda: [torch.randn(8, 3, 128, 128)], gpu_memory="570MiB", name="net")

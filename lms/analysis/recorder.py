@@ -165,29 +165,30 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        given = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        self._note_made(out, given)
+        taken = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        returned = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        given = {id(t) for t in taken}
+        # every new tensor an op made (not an in-place op's input)
+        self.made.extend(weakref.ref(t) for t in returned if id(t) not in given)
         name = str(func)
         if name in _SKIP_OPS:
             return out
         index = len(self.ops)
         phase = self.phase()
         inputs: dict[int, int] = {}
-        for arg in tree_flatten((args, kwargs))[0]:
-            if isinstance(arg, torch.Tensor):
-                sid, _ = self.storage_id(arg)
-                inputs[sid] = self.nbytes[sid]
+        for arg in taken:
+            sid, _ = self.storage_id(arg)
+            inputs[sid] = self.nbytes[sid]
         outputs: dict[int, int] = {}
         workspace = _workspace(func, args, kwargs, out)
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                sid, new = self.storage_id(value)
-                if new and workspace is not None and value is workspace[0]:
-                    self.nbytes[sid] = workspace[1]
-                if new or sid in inputs and _writes_inplace(func):
-                    outputs[sid] = self.nbytes[sid]
-                if phase == "forward" and id(value) not in given:
-                    self.held.append((sid, weakref.ref(value, self._dropped(sid))))
+        for value in returned:
+            sid, new = self.storage_id(value)
+            if new and workspace is not None and value is workspace[0]:
+                self.nbytes[sid] = workspace[1]
+            if new or sid in inputs and _writes_inplace(func):
+                outputs[sid] = self.nbytes[sid]
+            if phase == "forward" and id(value) not in given:
+                self.held.append((sid, weakref.ref(value, self._dropped(sid))))
         level = 1
         for sid in inputs:
             producer = self.writer.get(sid)
@@ -223,15 +224,6 @@ class Recorder(TorchDispatchMode):
         )
         self.op_level.append(level)
         return out
-
-    def _note_made(self, out: Any, given: set[int]) -> None:
-        """Keep a weak reference to each new tensor ``out`` holds (not one of the op's inputs,
-        by id in ``given``)."""
-        self.made.extend(
-            weakref.ref(t)
-            for t in tree_flatten(out)[0]
-            if isinstance(t, torch.Tensor) and id(t) not in given
-        )
 
     # -- saved tensors -----------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> _Saved:

@@ -328,7 +328,9 @@ class Recorder(TorchDispatchMode):
         # a local until it returns, a block its upsampled input until its convolutions have run.
         # The trace watches every tensor forward's ops return: a storage is in use until the last
         # of them dies (to the step's end for those still alive now), where the runtime's copy
-        # frees it, not at its last read.
+        # frees it, not at its last read. The trace's saves hold aliases (Note [A kept save
+        # holds no reference cycle]): what only autograd keeps, as max pooling's indices or an
+        # RNN's workspace, dies with the code's last reference, as the runtime's copy frees it.
         last = len(self.ops) - 1
         for sid, ref in self.held:
             if ref() is not None:

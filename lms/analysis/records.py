@@ -180,7 +180,7 @@ class Trace:
     @functools.cached_property
     def held_by_code(self) -> frozenset[int]:
         """Storages that may move but that the step's code holds into backward (a variable that
-        keeps the model's output while backward runs, a library's workspace): moving one frees
+        keeps the model's output while backward runs, a tensor a module keeps): moving one frees
         nothing (Note [Tensors the step's code holds])."""
         start = self.backward_start_op
         return frozenset(

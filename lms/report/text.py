@@ -53,7 +53,7 @@ def info_lines(
         lines.append(
             f"[LMS] {len(held)} saved storages ({format_bytes(sum(held))}) stay on the device: "
             "the step's code holds them into backward (a variable that keeps the model's output, "
-            "a library's workspace), so moving them would free nothing"
+            "a tensor a module keeps on itself), so moving them would free nothing"
         )
     if plan is None or planned is None:
         return lines

@@ -28,16 +28,21 @@ __all__ = ["Handle", "Kept", "Step", "storage_bytes", "without_node"]
 
 
 def without_node(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a pack hook may hold it: a detached alias unless it is a leaf.
+    """``tensor`` as a pack hook may hold it: a detached alias unless it is a parameter (a leaf
+    that needs a gradient).
 
     Note: [A kept save holds no reference cycle]
     An op that saves its own output (softmax, tanh, exp) makes the output's node hold the packed
     object: holding the output itself would close a cycle (output, node, packed, output) through
     autograd's C++ node, which Python's collector cannot see, and an output that backward never
     reaches (a metric computed with gradients on, an unused head) would never be freed. A
-    detached alias has the same storage and version counter and no node.
+    detached alias has the same storage and version counter and no node. A tensor that needs no
+    gradient (max pooling's indices, an RNN's workspace) is a leaf with no node, but its alias
+    lets the object die with the caller's last reference, as it does when the runtime moves it:
+    the trace watches those objects to learn what the step's code holds (Note [Tensors the
+    step's code holds]).
     """
-    return tensor if tensor.is_leaf else tensor.detach()
+    return tensor if tensor.is_leaf and tensor.requires_grad else tensor.detach()
 
 
 class Kept:

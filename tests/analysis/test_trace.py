@@ -135,13 +135,12 @@ def test_fused_lstm_workspace_keeps_its_place_among_saved_tensors(tmp_path, capl
     assert len(estimated) == 2  # one workspace a layer, each within 10%
     assert all(abs(size - actual) <= 0.1 * actual for size, actual in estimated)
 
-    # oneDNN's layer holds its workspace until its backward (Note [Tensors the step's code
-    # holds]): no plan moves it, nor lowers the step's peak. The plan that moves everything else
-    # names the tensors after it by the same ordinals as the runtime.
+    # Only autograd holds the workspaces (Note [Tensors the step's code holds]): the plan that
+    # moves every saved storage moves them, and names each by the runtime's ordinal.
     ref = run_step(model, [x])
     plan = Checker(trace, device_spec("cpu"), 1).plan(range(len(traced)), source="minimum")
     workspaces = [i for i, (s, r) in enumerate(zip(traced, real, strict=True)) if s != r]
-    assert not set(workspaces) & set(plan.offload) and max(plan.offload) > min(workspaces)
+    assert set(workspaces) <= set(plan.offload) and max(plan.offload) > min(workspaces)
     moved = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=str(tmp_path), tier="disk")
     with caplog.at_level("WARNING", logger="lms"):
         for _ in range(2):
@@ -298,3 +297,17 @@ def test_a_tensor_the_code_holds_is_in_use_until_it_dies(hold):
     assert read < last
     held_to = trace.storages[made.outputs[0]].last_forward_op
     assert held_to >= last if hold else held_to == read
+
+
+def test_a_saved_tensor_that_needs_no_gradient_is_not_held_by_the_save():
+    # Max pooling's indices: autograd saves them and the model's code never sees them, so the
+    # runtime's copy frees them; the trace's save must not keep them in use into backward.
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.MaxPool2d(2), torch.nn.Conv2d(8, 8, 3)
+    )
+    trace = trace_step(model, [torch.randn(1, 3, 32, 32)], device="cpu", min_offload_bytes=0)
+    pool = next(op for op in trace.ops if op.name.startswith("aten.max_pool2d_with_indices"))
+    indices = pool.outputs[1]
+    assert indices in {storage for storage, _, _ in trace.entries()}  # saved, and may move
+    assert indices not in trace.held_by_code
+    assert trace.storages[indices].last_forward_op == pool.index

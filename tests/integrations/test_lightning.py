@@ -17,8 +17,9 @@ pytest.importorskip("lightning")  # a dev dependency; a machine without it skips
 from lightning.pytorch import LightningModule, Trainer  # noqa: E402
 
 import lms  # noqa: E402
+from lms.analysis import device_spec, trace_step  # noqa: E402
 from lms.integrations.lightning import LMSCallback  # noqa: E402
-from tests.conftest import hooks_are_gone, same_bits, spill_files  # noqa: E402
+from tests.conftest import hooks_are_gone, midway_budget, same_bits, spill_files  # noqa: E402
 
 
 class Images(Dataset):
@@ -87,17 +88,32 @@ def fit(callbacks, model=None, precision="32-true", accelerator="cpu", edge=64, 
     return model
 
 
+def midway(precision):
+    """A budget for `fit` halfway between its step's floor and peak on this machine: what a
+    convolution takes while it runs depends on the kernel the CPU gets (in bf16 more than twice
+    as much where the CPU lacks the instructions oneDNN uses)."""
+    images = Images()
+    batch = [images.images[:2], images.labels[:2]]
+
+    def step(model, batch):
+        F.cross_entropy(model(batch[0]), batch[1]).backward()
+
+    torch.manual_seed(0)
+    amp = torch.bfloat16 if precision == "bf16-mixed" else None
+    trace = trace_step(Net(), batch, step, device="cpu", autocast=amp, min_offload_bytes=0)
+    return midway_budget(trace, device_spec("cpu"))
+
+
 @pytest.mark.parametrize(
-    ("precision", "budget", "accumulate"),
-    [("32-true", "3MiB", 1), ("bf16-mixed", "1.65MiB", 1), ("32-true", "3MiB", 2)],
+    ("precision", "accumulate"), [("32-true", 1), ("bf16-mixed", 1), ("32-true", 2)]
 )
-def test_fit_follows_the_tuned_plan_bitwise(tmp_path, caplog, precision, budget, accumulate):
+def test_fit_follows_the_tuned_plan_bitwise(tmp_path, caplog, precision, accumulate):
     caplog.set_level("INFO", logger="lms")
     plain = fit([], precision=precision, accumulate=accumulate)
     spill = tmp_path / "spill"
     spill.mkdir()
     callback = LMSCallback(
-        budget=budget, min_offload_bytes=0, spill_dir=str(spill), cache_dir=str(tmp_path)
+        budget=midway(precision), min_offload_bytes=0, spill_dir=str(spill), cache_dir=str(tmp_path)
     )
     offloaded = fit([callback], precision=precision, accumulate=accumulate)
     for a, b in zip(plain.state_dict().values(), offloaded.state_dict().values(), strict=True):

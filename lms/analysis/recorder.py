@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -472,7 +473,9 @@ class _Saved:
     __slots__ = ("tensor", "recorder")
 
     def __init__(self, tensor: torch.Tensor, recorder: Recorder):
-        self.tensor = without_node(tensor)  # Note [A kept save holds no reference cycle]
+        # Note [A kept save holds no reference cycle]. A real tensor from outside the step (a
+        # GradScaler's scale) stays itself: its alias, made under fake tensors, would be fake.
+        self.tensor = without_node(tensor) if isinstance(tensor, FakeTensor) else tensor
         self.recorder = recorder
 
     def __del__(self) -> None:

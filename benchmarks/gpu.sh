@@ -44,16 +44,18 @@ print(info); json.dump(info, open('$out/link.json', 'w'), indent=2)
     resnet50_amp) sweep resnet50_amp resnet50 6000,6500,8000 150 --amp ;;
     unet3d) sweep unet3d unet3d 240,256,288 150 ;;
     deeplabv3) sweep deeplabv3 deeplabv3 1100,1400,2000 120 --batch-size 2 ;;
-    # Toward the seed's 10x: ResNet50 at 11500 px (8.3x the pixels of 4000), the largest size
-    # the planner fits in 32 GiB now that it counts the tensors the model's code holds (12000 px
-    # needs 34.39 GiB in forward), two steps, the card capped at 32 GiB, offloaded data held in
-    # up to 110 GiB of the host's 128 (the rest spills). Every tensor stays under 2^31 elements.
+    # Toward the seed's 10x: ResNet50 at 12000 px (9x the pixels of 4000), the largest size of
+    # the sweep's 500 px steps that the planner fits in 32 GiB (12500 px needs 32.61 GiB in
+    # forward, where the model's code holds the batch and layer1's input), two steps, the card
+    # capped at 32 GiB, offloaded data held in up to 110 GiB of the host's 128 (the rest
+    # spills). The stem's output has 2.30e9 elements, past 2^31: PyTorch picks cuDNN for it
+    # (from cuDNN 9.3 on); SIZES=11500 keeps every tensor under 2^31.
     resnet50_10x) $PY -c "
 import sys, torch
 from lms.cli import main
 torch.cuda.set_per_process_memory_fraction(32 * 2**30 / torch.cuda.get_device_properties(0).total_memory)
 sys.exit(main(sys.argv[1:]))
-" train --model resnet50 --image-size "${SIZES:-11500}" --steps 2 --budget 32GiB \
+" train --model resnet50 --image-size "${SIZES:-12000}" --steps 2 --budget 32GiB \
         --host-budget 110GiB --json "$out/train_resnet50_10x.json" \
         > "$out/train_resnet50_10x.log" 2>&1 || echo "train resnet50_10x stopped" ;;
     analyze)

@@ -8,6 +8,8 @@ made again, its inputs first, just before its first use in backward.
 
 from __future__ import annotations
 
+import itertools
+
 from lms.analysis.devices import DeviceSpec
 from lms.analysis.recompute import Recipe, recipes
 from lms.analysis.records import JunctionRecord, Trace
@@ -50,6 +52,15 @@ def relieved_junctions(trace: Trace, plan: Plan | None) -> dict[int, JunctionRec
     return chosen
 
 
+def _uses(trace: Trace) -> tuple[dict[int, int], dict[int, list[int]]]:
+    """The trace's first use and uses of each saved storage (Note [A trace derives once]), not
+    copied: a clock only reads them."""
+    found = trace.memo.get("uses")
+    if found is None:
+        found = trace.memo["uses"] = (trace.first_use_op(), trace.use_ops())
+    return found  # type: ignore[no-any-return]
+
+
 def _by_op(pairs: list[tuple[int, int]]) -> dict[int, list[int]]:
     """``(op, ordinal)`` pairs grouped by op, each group in the pairs' order."""
     grouped: dict[int, list[int]] = {}
@@ -78,9 +89,8 @@ class Clock:
         # blocking copy to the host, a background write; a background read, a blocking copy in.
         self.spill = set(plan.spill) if plan is not None else set()
         self.storage_of = {i: entries[i][0] for i in self.offload}
-        self.first_use = trace.first_use_op()
+        self.first_use, use_ops = _uses(trace)  # read only
         # Entries read back per use: each later use loads the copy again, on demand.
-        use_ops = trace.use_ops()
         self.later_uses = {
             i: use_ops[self.storage_of[i]][1:]
             for i in (plan.refetch if plan is not None else ())
@@ -186,13 +196,10 @@ class Clock:
         }
         seconds, start, done_at = self.seconds, self.start, self.done_at
         num_ops = len(self.trace.ops)
-        for index in range(num_ops + 1):
-            if index not in busy:  # the op alone
-                start[index] = self.now
-                if index < num_ops:
-                    self.now += seconds[index]
-                    done_at[index] = self.now
-                continue
+        alone = 0  # the first op not run yet
+        for index in sorted(i for i in busy if 0 <= i <= num_ops):
+            self._alone(alone, index)
+            alone = index + 1
             if index < self.trace.backward_start_op:
                 kept += kept_at.get(index, 0)
             for ordinal in self.saves_at.get(index, ()):
@@ -214,6 +221,20 @@ class Clock:
             if index < num_ops:
                 self.now += seconds[index]
                 done_at[index] = self.now
+        self._alone(alone, num_ops + 1)
+
+    def _alone(self, first: int, stop: int) -> None:
+        """Run ops ``first..stop-1``, which start no copy and wait for none, back to back (index
+        ``len(ops)`` only starts: the step's end). The same sums, one op after another, as the
+        busy ops' ``now += seconds``, in one call."""
+        ops = min(stop, len(self.seconds))
+        if first < ops:
+            times = list(itertools.accumulate(self.seconds[first:ops], initial=self.now))
+            self.start[first:ops] = times[:-1]
+            self.done_at[first:ops] = times[1:]
+            self.now = times[-1]
+        if stop > len(self.seconds) >= first:
+            self.start[len(self.seconds)] = self.now
 
     def _wait_until(self, time_s: float) -> None:
         if time_s > self.now:

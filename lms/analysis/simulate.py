@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import torch
+import numpy
 
 from lms.analysis.clock import Clock, allowance
 from lms.analysis.devices import DeviceSpec
@@ -68,7 +69,6 @@ class SimResult:
     """Device bytes from each of those times on."""
     host_bytes: tuple[int, ...]
     """Offloaded bytes held on the host (or disk) from each of those times on."""
-    intervals: tuple[Interval, ...]
     recomputed_bytes: int = 0
     """Bytes of saved storages that backward recomputes instead of storing."""
     recompute_s: float = 0.0
@@ -81,6 +81,13 @@ class SimResult:
     """Bytes of those partials."""
     backward_start_s: float = 0.0
     """When the first backward op starts."""
+    residency: _Residency | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @functools.cached_property
+    def intervals(self) -> tuple[Interval, ...]:
+        """When each storage is on the device, in the order of the trace's storages (made on
+        first use: planners read only the totals)."""
+        return self.residency.intervals() if self.residency is not None else ()
 
     def peak_after(self, time_s: float) -> tuple[int, int]:
         """Device bytes just before ``time_s`` and their peak from then on."""
@@ -162,7 +169,7 @@ def simulate(
     seconds = op_seconds(trace, spec, half)
     clock = Clock(trace, plan, spec, seconds)
     held = _Residency(clock, spec.cpu_scratch)
-    times, device, host, peak_tensor = _sweep(held.intervals, held.host_spans, spec)
+    times, device, host, peak_tensor = _sweep(held.columns(), held.host_spans, spec)
     peak_rounded = max(device, default=0)
     peak_time = times[device.index(peak_rounded)] if device else 0.0
     peak_op = max(bisect.bisect_right(clock.start, peak_time, hi=len(trace.ops)) - 1, 0)
@@ -180,13 +187,13 @@ def simulate(
         timeline_s=tuple(times),
         device_bytes=tuple(device),
         host_bytes=tuple(host),
-        intervals=tuple(held.intervals),
         recomputed_bytes=sum(entries[i][1] for i in clock.recompute),
         recompute_s=clock.recompute_s,
-        disk_peak_bytes=max(_sweep((), held.disk_spans, spec)[2], default=0),
+        disk_peak_bytes=max(_sweep(None, held.disk_spans, spec)[2], default=0),
         relieved_junctions=len(clock.relieved),
         relieved_bytes=sum(j.nbytes for j in clock.relieved.values()),
         backward_start_s=clock.start[min(trace.backward_start_op, len(trace.ops))],
+        residency=held,
     )
 
 
@@ -194,13 +201,19 @@ _Span = tuple[float, float, int]  # held from, held to, bytes
 
 
 class _Residency:
-    """When each storage of a clocked step is on the device (``intervals``), and when each
-    offloaded copy is in host memory (``host_spans``) or in a spill file (``disk_spans``)."""
+    """When each storage of a clocked step is on the device (`intervals`), and when each
+    offloaded copy is in host memory (``host_spans``) or in a spill file (``disk_spans``).
+
+    Storages the plan leaves alone, and ops' scratch, are held as columns (Note [Residency in
+    columns]); what the plan moves, recomputes or relieves, interval by interval.
+    """
 
     def __init__(self, clock: Clock, cpu_scratch: bool):
         self.clock = clock
         self.scratch = _scratch_ops(clock.trace) if cpu_scratch else {}
-        self.intervals: list[Interval] = []
+        self.special: list[Interval] = []
+        self.positions: list[int] = []  # of each special interval, in the storages' order
+        self.position = -1
         self.host_spans: list[_Span] = []
         self.disk_spans: list[_Span] = []
         entries = clock.entries
@@ -213,30 +226,93 @@ class _Residency:
                 self.host_spans.append(span)
             if junction.taken > 1:  # the sum so far and the next partial, while copied in
                 loading = (junction.merged, junction.sizes[0], *clock.rejoined[ordinal])
-                self.intervals.append(Interval(*loading, "reloaded"))
-        start, done_at, end_s = clock.start, clock.done_at, clock.end_s
-        num_ops = len(done_at)
-        for record in clock.trace.storages:
-            sid = record.id
+                self._put(Interval(*loading, "reloaded"))
+        storages = clock.trace.storages
+        touched = sorted({*roles, *remade, *moved})
+        for sid in touched:
+            self.position = sid
             if sid in roles:
-                self._junction(record, roles[sid])
+                self._junction(storages[sid], roles[sid])
             elif sid in remade:
-                self._remade(record, remade[sid])
-            elif sid in moved:
-                self._moved(record, moved[sid])
-            else:  # on the device from its allocation to its free (clock.op_end, inline)
-                free = record.free_op
-                end = end_s if free is None or free >= num_ops else done_at[free]
-                begin = 0.0 if record.alloc_op < 0 else start[record.alloc_op]
-                self.intervals.append(Interval(sid, record.nbytes, begin, end, record.kind))
-        for index, nbytes in self.scratch.items():  # Note [Convolution scratch on the CPU]
-            self.intervals.append(Interval(-1, nbytes, start[index], done_at[index], "scratch"))
+                self._remade(storages[sid], remade[sid])
+            else:
+                self._moved(storages[sid], moved[sid])
+        # On the device from its allocation to its free (clock.op_end, by index).
+        columns = _storage_columns(clock.trace)
+        self.plain = numpy.ones(len(storages), dtype=bool)
+        self.plain[touched] = False
+        self.starts = numpy.array(clock.start)
+        self.ends = numpy.array([*clock.done_at, clock.end_s])
+        alloc = columns.alloc[self.plain]
+        self.plain_begin = numpy.where(alloc < 0, 0.0, self.starts[numpy.maximum(alloc, 0)])
+        self.plain_end = self.ends[columns.free[self.plain]]
+        self.scratch_ops = numpy.fromiter(self.scratch, numpy.int64, len(self.scratch))
+
+    # Note: [Residency in columns]
+    # A planner simulates thousands of times, and most storages stay where the step puts them
+    # whatever the plan: their intervals come from the op clock by indexing, a few numpy calls a
+    # simulation rather than a Python object a storage. The sweep over device bytes reads the
+    # columns; `intervals` makes the named tuples only when a report asks for them.
+
+    def _put(self, interval: Interval) -> None:
+        self.special.append(interval)
+        self.positions.append(self.position)
+
+    def columns(self) -> tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray]:
+        """Bytes, start and end of every interval (storages left alone, moved ones, scratch)."""
+        columns = _storage_columns(self.clock.trace)
+        special = self.special
+        scratch_bytes = numpy.fromiter(self.scratch.values(), numpy.int64, len(self.scratch))
+        nbytes = numpy.concatenate(
+            [
+                columns.nbytes[self.plain],
+                numpy.fromiter((i.nbytes for i in special), numpy.int64, len(special)),
+                scratch_bytes,
+            ]
+        )
+        begin = numpy.concatenate(
+            [
+                self.plain_begin,
+                numpy.fromiter((i.start_s for i in special), numpy.float64, len(special)),
+                self.starts[self.scratch_ops],
+            ]
+        )
+        end = numpy.concatenate(
+            [
+                self.plain_end,
+                numpy.fromiter((i.end_s for i in special), numpy.float64, len(special)),
+                self.ends[self.scratch_ops],
+            ]
+        )
+        return nbytes, begin, end
+
+    def intervals(self) -> tuple[Interval, ...]:
+        """Every interval: by storage (what happened before the storages first), then each op's
+        scratch (Note [Convolution scratch on the CPU])."""
+        storages = self.clock.trace.storages
+        ids = numpy.flatnonzero(self.plain).tolist()
+        plain = [
+            Interval(sid, storages[sid].nbytes, begin, end, storages[sid].kind)
+            for sid, begin, end in zip(
+                ids, self.plain_begin.tolist(), self.plain_end.tolist(), strict=True
+            )
+        ]
+        placed = sorted(
+            [*zip(ids, plain, strict=True), *zip(self.positions, self.special, strict=True)],
+            key=lambda item: item[0],
+        )
+        start, done_at = self.clock.start, self.clock.done_at
+        scratch = [
+            Interval(-1, nbytes, start[index], done_at[index], "scratch")
+            for index, nbytes in self.scratch.items()
+        ]
+        return tuple(interval for _, interval in placed) + tuple(scratch)
 
     def _begin(self, record: StorageRecord) -> float:
         return 0.0 if record.alloc_op < 0 else self.clock.start[record.alloc_op]
 
     def _add(self, record: StorageRecord, begin: float, end: float, kind: str = "") -> None:
-        self.intervals.append(Interval(record.id, record.nbytes, begin, end, kind or record.kind))
+        self._put(Interval(record.id, record.nbytes, begin, end, kind or record.kind))
 
     def _hold(self, ordinal: int, finish: float, nbytes: int) -> None:
         """Where the offloaded copy of ``ordinal`` is kept, from its copy out to ``finish``."""
@@ -270,10 +346,10 @@ class _Residency:
         self._add(record, start, clock.op_end(record.free_op), "recomputed")
         for scratch in clock.chosen[ordinal].scratch:  # made on the way, freed at its end
             nbytes = clock.trace.storages[scratch].nbytes
-            self.intervals.append(Interval(scratch, nbytes, start, end, "recomputed"))
+            self._put(Interval(scratch, nbytes, start, end, "recomputed"))
         most = max((self.scratch.get(i, 0) for i in clock.chosen[ordinal].all_ops), default=0)
         if most:  # the largest replayed op's, while the replay runs
-            self.intervals.append(Interval(-1, most, start, end, "scratch"))
+            self._put(Interval(-1, most, start, end, "scratch"))
 
     def _moved(self, record: StorageRecord, ordinal: int) -> None:
         """On the device until copied out, and again from each load to the use it serves."""
@@ -295,6 +371,32 @@ class _Residency:
             for load_s, end_s in zip(starts, ends, strict=True):
                 self._add(record, load_s, end_s, "reloaded")
         self._hold(ordinal, finish, record.nbytes)
+
+
+class _StorageColumns(NamedTuple):
+    nbytes: numpy.ndarray
+    alloc: numpy.ndarray
+    """The op that allocates each storage; -1 before the step."""
+    free: numpy.ndarray
+    """The op after which each is freed; the op count when it outlives the step."""
+
+
+def _storage_columns(trace: Trace) -> _StorageColumns:
+    """The trace's storages as columns, by id (Note [A trace derives once])."""
+    found = trace.memo.get("storage_columns")
+    if found is None:
+        num_ops = len(trace.ops)
+        records = trace.storages
+        found = trace.memo["storage_columns"] = _StorageColumns(
+            numpy.fromiter((r.nbytes for r in records), numpy.int64, len(records)),
+            numpy.fromiter((r.alloc_op for r in records), numpy.int64, len(records)),
+            numpy.fromiter(
+                (num_ops if r.free_op is None else min(r.free_op, num_ops) for r in records),
+                numpy.int64,
+                len(records),
+            ),
+        )
+    return found  # type: ignore[no-any-return]
 
 
 def _scratch_ops(trace: Trace) -> dict[int, int]:
@@ -338,42 +440,50 @@ def _last_read(trace: Trace, junction: JunctionRecord, k: int) -> int:
 
 
 def _sweep(
-    intervals: Sequence[Interval],
+    intervals: tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray] | None,
     host_spans: Sequence[tuple[float, float, int]],
     spec: DeviceSpec,
 ) -> tuple[list[float], list[int], list[int], int]:
     """Piecewise-constant device and host bytes; frees before allocations at equal times.
 
-    Returns the times at which they change, the device bytes (rounded by the allocator's block)
-    and host bytes from each on, and the peak of device bytes unrounded.
+    ``intervals`` are the bytes, start and end of each (`_Residency.columns`). Returns the times
+    at which they change, the device bytes (rounded by the allocator's block) and host bytes from
+    each on, and the peak of device bytes unrounded. The order of the intervals changes nothing.
     """
-    if not intervals and not host_spans:
+    # numpy, not torch: a planner sweeps thousands of times, and these arrays are small enough
+    # that each call's overhead outweighs its work.
+    raw, starts, ends = intervals if intervals is not None else (numpy.zeros(0, numpy.int64),) * 3
+    if not len(raw) and not host_spans:
         return [], [], [], 0
-    empty: tuple[tuple[Any, ...], ...] = ((),) * 5
-    _, nbytes, starts, ends, _ = zip(*intervals, strict=True) if intervals else empty
-    begins, finishes, held = zip(*host_spans, strict=True) if host_spans else empty[:3]
-    raw = torch.tensor(nbytes, dtype=torch.int64)
     block = spec.alloc_round_bytes
-    rounded = -torch.div(-raw, block, rounding_mode="floor") * block
-    kept = torch.tensor(held, dtype=torch.int64)
-    none, no_spans = torch.zeros_like(raw), torch.zeros_like(kept)
-    times = torch.tensor(starts + ends + begins + finishes, dtype=torch.float64)
-    frees = torch.tensor([False, True, False, True]).repeat_interleave(
-        torch.tensor([len(raw), len(raw), len(kept), len(kept)])
+    rounded = -(-raw // block) * block
+    kept = numpy.fromiter((span[2] for span in host_spans), numpy.int64, len(host_spans))
+    none, no_spans = numpy.zeros_like(raw), numpy.zeros_like(kept)
+    times = numpy.concatenate(
+        [
+            starts.astype(numpy.float64),
+            ends.astype(numpy.float64),
+            numpy.fromiter((span[0] for span in host_spans), numpy.float64, len(host_spans)),
+            numpy.fromiter((span[1] for span in host_spans), numpy.float64, len(host_spans)),
+        ]
     )
-    device = torch.cat([rounded, -rounded, no_spans, no_spans])
-    unrounded = torch.cat([raw, -raw, no_spans, no_spans])
-    host = torch.cat([none, none, kept, -kept])
-    by_time = torch.argsort(frees.logical_not().to(torch.int8), stable=True)  # frees first
-    by_time = by_time[torch.argsort(times[by_time], stable=True)]
+    device = numpy.concatenate([rounded, -rounded, no_spans, no_spans])
+    unrounded = numpy.concatenate([raw, -raw, no_spans, no_spans])
+    host = numpy.concatenate([none, none, kept, -kept])
+    allocations = numpy.concatenate(  # frees first at equal times
+        [numpy.ones(len(raw), numpy.int8), numpy.zeros(len(raw), numpy.int8)]
+        + [numpy.ones(len(kept), numpy.int8), numpy.zeros(len(kept), numpy.int8)]
+    )
+    by_time = numpy.argsort(allocations, kind="stable")
+    by_time = by_time[numpy.argsort(times[by_time], kind="stable")]
     times = times[by_time]
-    last = torch.cat([times[1:] != times[:-1], torch.tensor([True])])  # after each time's changes
+    last = numpy.append(times[1:] != times[:-1], True)  # after each time's changes
     # Within one time, frees and then allocations: the running peak of the unrounded bytes
     # is where the allocations have all been made, whatever their order.
-    peak = int(torch.cumsum(unrounded[by_time], 0).max())
+    peak = int(numpy.cumsum(unrounded[by_time]).max())
     return (
         times[last].tolist(),
-        torch.cumsum(device[by_time], 0)[last].tolist(),
-        torch.cumsum(host[by_time], 0)[last].tolist(),
+        numpy.cumsum(device[by_time])[last].tolist(),
+        numpy.cumsum(host[by_time])[last].tolist(),
         max(peak, 0),
     )

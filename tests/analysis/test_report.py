@@ -1,5 +1,6 @@
 """Reports: simulator invariants, [LMS] lines, the PNG, the memory_viz snapshot, the CLI."""
 
+import bisect
 import dataclasses
 import json
 import pickle
@@ -76,6 +77,39 @@ def test_offloading_everything_lowers_the_peak(report):
     # host memory holds what was offloaded, and nothing is left at the end
     assert everything.host_peak_bytes > 0 and everything.host_bytes[-1] == 0
     assert plain.device_bytes[-1] >= 0
+
+
+@pytest.mark.parametrize("spec_name", ["v100-32gb", "cpu"])
+def test_the_intervals_add_up_to_the_device_bytes_the_sweep_counted(report, spec_name):
+    # The intervals are made only when a report asks; the sweep counts from columns.
+    trace, spec = report.trace, device_spec(spec_name)
+    n = len(trace.entries())
+    every_other = Plan(fingerprint="x", offload=tuple(range(0, n, 2)), num_entries=n)
+    for plan in (None, every_other, report.plan):
+        result = simulate(trace, plan, spec)
+        block = spec.alloc_round_bytes
+        moved = {i.storage for i in result.intervals if i.kind == "reloaded"}
+        assert plan is None or moved  # offloaded storages come back
+        if spec_name == "cpu":
+            assert any(i.kind == "scratch" for i in result.intervals)
+        for time_s, device in zip(result.timeline_s, result.device_bytes, strict=True):
+            live = [i for i in result.intervals if i.start_s <= time_s < i.end_s]
+            assert sum(-(-i.nbytes // block) * block for i in live) == device
+    # Without a plan, a storage allocated by op a and freed after op f is there while a..f run.
+    plain = simulate(trace, None, spec)
+    scratch = {op.index: op.cpu_scratch_bytes for op in trace.ops} if spec.cpu_scratch else {}
+    for op in trace.ops:
+        starts = plain.residency.clock.start
+        at = bisect.bisect_right(plain.timeline_s, starts[op.index]) - 1
+        alive = [
+            record.nbytes
+            for record in trace.storages
+            if record.alloc_op <= op.index
+            and (record.free_op is None or record.free_op >= op.index)
+        ]
+        alive.append(scratch.get(op.index, 0))
+        expected = sum(-(-n // block) * block for n in alive)
+        assert plain.device_bytes[at] == expected, op.index
 
 
 def test_slower_link_costs_more_time(report):

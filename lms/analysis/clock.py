@@ -194,12 +194,11 @@ class Clock:
             *self.reloads_at,
             *self.joins_at,
         }
-        seconds, start, done_at = self.seconds, self.start, self.done_at
         num_ops = len(self.trace.ops)
-        alone = 0  # the first op not run yet
+        waiting = 0  # the first op not run yet
         for index in sorted(i for i in busy if 0 <= i <= num_ops):
-            self._alone(alone, index)
-            alone = index + 1
+            self._run_ops(waiting, index)  # up to this op; its copies and replays start first
+            waiting = index
             if index < self.trace.backward_start_op:
                 kept += kept_at.get(index, 0)
             for ordinal in self.saves_at.get(index, ()):
@@ -217,16 +216,11 @@ class Clock:
                 self._reload(ordinal)
             for ordinal in self.joins_at.get(index, ()):
                 self._join(ordinal)
-            start[index] = self.now
-            if index < num_ops:
-                self.now += seconds[index]
-                done_at[index] = self.now
-        self._alone(alone, num_ops + 1)
+        self._run_ops(waiting, num_ops + 1)
 
-    def _alone(self, first: int, stop: int) -> None:
-        """Run ops ``first..stop-1``, which start no copy and wait for none, back to back (index
-        ``len(ops)`` only starts: the step's end). The same sums, one op after another, as the
-        busy ops' ``now += seconds``, in one call."""
+    def _run_ops(self, first: int, stop: int) -> None:
+        """Run ops ``first..stop-1`` back to back from now (index ``len(ops)`` only starts: the
+        step's end): ``now += seconds`` one op after another, in one call."""
         ops = min(stop, len(self.seconds))
         if first < ops:
             times = list(itertools.accumulate(self.seconds[first:ops], initial=self.now))

@@ -461,8 +461,8 @@ def _sweep(
     none, no_spans = numpy.zeros_like(raw), numpy.zeros_like(kept)
     times = numpy.concatenate(
         [
-            starts.astype(numpy.float64),
-            ends.astype(numpy.float64),
+            starts,
+            ends,
             numpy.fromiter((span[0] for span in host_spans), numpy.float64, len(host_spans)),
             numpy.fromiter((span[1] for span in host_spans), numpy.float64, len(host_spans)),
         ]

@@ -98,8 +98,8 @@ def test_the_intervals_add_up_to_the_device_bytes_the_sweep_counted(report, spec
     # Without a plan, a storage allocated by op a and freed after op f is there while a..f run.
     plain = simulate(trace, None, spec)
     scratch = {op.index: op.cpu_scratch_bytes for op in trace.ops} if spec.cpu_scratch else {}
+    starts = plain.residency.clock.start
     for op in trace.ops:
-        starts = plain.residency.clock.start
         at = bisect.bisect_right(plain.timeline_s, starts[op.index]) - 1
         alive = [
             record.nbytes

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The simulated sweeps of benchmarks/results/sweep_* (the seed's protocol on the simulator), on any
-# machine, CPU only: about 20 minutes on 2 cores. The planner's searches are counted, not timed,
+# machine, CPU only: about 25 minutes on 2 cores. The planner's searches are counted, not timed,
 # so a rerun writes the same figures.
 #
 #   benchmarks/sweeps.sh                    # all of them
-#   benchmarks/sweeps.sh resnet50 unet3d    # some: resnet50 googlenet deeplabv3 unet3d
+#   benchmarks/sweeps.sh resnet50 unet3d    # some: resnet50 resnet50_free_held googlenet
+#                                           # deeplabv3 unet3d
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 out=${LMS_RESULTS:-benchmarks/results}
-models=${*:-resnet50 googlenet deeplabv3 unet3d}
+models=${*:-resnet50 resnet50_free_held googlenet deeplabv3 unet3d}
 
 sweep() {  # model, spec name, file suffix, extra args
   $PY -m lms -q sweep --model "$1" --gpu-memory 32GiB --device-spec "$2" \
@@ -21,6 +22,8 @@ for model in $models; do
     resnet50)
       sweep resnet50 v100-32gb v100-32gb --step 500
       sweep resnet50 h100 h100-pcie5-32gb --step 500 ;;
+    resnet50_free_held)  # plans that empty what the step's code holds (the batch, layer1's input)
+      sweep resnet50 v100-32gb v100-32gb_free_held --step 500 --free-held ;;
     googlenet) sweep googlenet v100-32gb v100-32gb --step 500 ;;
     deeplabv3) sweep deeplabv3 v100-32gb v100-32gb --step 100 --batch-size 16 ;;
     unet3d)

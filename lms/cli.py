@@ -50,6 +50,12 @@ def _seconds(text: str) -> float:
     return value
 
 
+_FREE_HELD_HELP = (
+    "let the plan empty tensors the step's code holds but no longer reads (the input batch), "
+    "filled again in place for backward"
+)
+
+
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
@@ -105,6 +111,7 @@ def _analyze(args: argparse.Namespace) -> int:
         host_memory=args.host_memory,
         autocast=torch.bfloat16 if args.amp else None,
         name=f"{args.model} {args.image_size}px batch {args.batch_size}",
+        free_held=args.free_held,
     )
     _write(args, report.as_dict(), report.plot)
     if args.snapshot:
@@ -125,6 +132,7 @@ def _sweep(args: argparse.Namespace) -> int:
         device_spec=args.device_spec,
         amp=args.amp,
         max_size=args.max_size,
+        free_held=args.free_held,
     )
     _write(args, result, lambda path: plot_sweep(result, path))
     return 0
@@ -150,6 +158,7 @@ def _train(args: argparse.Namespace) -> int:
             amp=args.amp,
             data=data,
             keep_in=args.no_offload_in,
+            free_held=args.free_held,
         )
     except PlanInfeasibleError as error:
         print(error, file=sys.stderr)
@@ -209,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--json", help="write the summary here")
     analyze.add_argument("--plot", help="write the memory graph (PNG) here")
     analyze.add_argument("--snapshot", help="write a memory_viz snapshot (pickle) here")
+    analyze.add_argument("--free-held", action="store_true", help=_FREE_HELD_HELP)
     analyze.set_defaults(run=_analyze)
 
     sweep = commands.add_parser("sweep", help="grow the image edge until the step cannot fit")
@@ -222,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--device-spec", default="v100-32gb")
     sweep.add_argument("--json")
     sweep.add_argument("--plot")
+    sweep.add_argument("--free-held", action="store_true", help=_FREE_HELD_HELP)
     sweep.set_defaults(run=_sweep)
 
     train = commands.add_parser("train", help="train a zoo model and measure it")
@@ -235,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--data", default=None, help="folder of images (one subfolder a class)")
     train.add_argument("--json")
+    train.add_argument("--free-held", action="store_true", help=_FREE_HELD_HELP)
     train.set_defaults(run=_train)
 
     bench = commands.add_parser("bench", help="measure LMS beside the peers over sizes")

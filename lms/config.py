@@ -60,6 +60,13 @@ class LMSConfig:
     host_budget: int | str | None = None
     """Host memory that offloaded data may hold; None: half of the memory available at start.
     With tier "auto" the rest overflows to disk; with tier "host" it is an error."""
+    free_held: bool = False
+    """Let a tuned plan empty the device memory behind tensors the step's code still holds but
+    no longer reads (the input batch, a block's input in a local), filling them again in place
+    when backward reads them (Note [Emptying what the code holds]). The trace of `LMS.tune`
+    sees every read inside the step; code outside it must not read such a tensor between
+    forward and backward (logging the batch in between, a forward-only step under the block):
+    PyTorch reads an emptied storage without a check, and the process may crash."""
 
     def __post_init__(self) -> None:
         if self.budget is not None:
@@ -83,6 +90,8 @@ class LMSConfig:
         _check_int("swapin_groupby", self.swapin_groupby, 0)
         _check_int("sync_mode", self.sync_mode, 0, 3)
         _check_int("min_offload_bytes", self.min_offload_bytes, 0)
+        if not isinstance(self.free_held, bool):
+            raise ValueError(f"lms: free_held={self.free_held!r} is not True or False")
         if self.spill_dir is not None and not isinstance(self.spill_dir, (str, os.PathLike)):
             raise ValueError(f"lms: spill_dir={self.spill_dir!r} is not a path")
 

@@ -35,6 +35,13 @@ class Plan:
     stash_partials: tuple[int, ...] = ()
     """For each ordinal of `stash`, how many partial gradients meet at its junction (two each
     when empty); the runtime relieves a junction only where it counts as many."""
+    free_held: tuple[int, ...] = ()
+    """Offloaded ordinals whose device storage is emptied once forward has read it for the last
+    time, though the step's code still holds it (the input batch, a block's input in a local),
+    and filled again in place when backward reads it (Note [Emptying what the code holds])."""
+    free_held_at: tuple[int, ...] = ()
+    """For each ordinal of `free_held`, the saved-tensor event (counting saves and reads from 1)
+    from which the runtime empties it, once its copy out has finished."""
     swapin_ahead: int = 2
     """Offloaded tensors brought back ahead of backward's use."""
     sync_mode: int = 0
@@ -85,6 +92,16 @@ class Plan:
                 "only offloaded tensors can be read back per use"
             )
 
+        loose_held = sorted(
+            set(self.free_held) - set(self.offload) | set(self.free_held) & set(self.refetch)
+        )
+        if loose_held or len(self.free_held_at) != len(self.free_held):
+            raise ValueError(
+                f"lms: Plan.free_held names ordinals {loose_held[:5]} that Plan.offload does not, "
+                "or that Plan.refetch reads back per use, or Plan.free_held_at does not give an "
+                f"event for each of its {len(self.free_held)} ordinals"
+            )
+
     def junction_partials(self) -> dict[int, int]:
         """How many partial gradients meet at each relieved junction, by ordinal."""
         return dict(zip(self.stash, self.stash_partials or (2,) * len(self.stash), strict=True))
@@ -103,6 +120,8 @@ class Plan:
         data["spill"] = tuple(data.get("spill", ()))
         data["stash"] = tuple(data.get("stash", ()))
         data["stash_partials"] = tuple(data.get("stash_partials", ()))
+        data["free_held"] = tuple(data.get("free_held", ()))
+        data["free_held_at"] = tuple(data.get("free_held_at", ()))
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> None:

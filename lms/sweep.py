@@ -35,8 +35,10 @@ def sweep(
     amp: bool = False,
     max_size: int | None = None,
     progress: bool = True,
+    free_held: bool = False,
 ) -> dict[str, Any]:
-    """Sweep edge sizes ``start, start+step, ...`` until even LMS cannot fit the step.
+    """Sweep edge sizes ``start, start+step, ...`` until even LMS cannot fit the step; with
+    ``free_held``, plans may empty what the step's code holds (`lms.LMSConfig.free_held`).
 
     Returns a JSON-ready dict with ``max_size_without_lms``, ``max_size_with_lms`` and ``points``.
 
@@ -84,7 +86,7 @@ def sweep(
             )
         else:
             try:
-                plan = plan_auto(trace, spec, budget, half=half)
+                plan = plan_auto(trace, spec, budget, half=half, free_held=free_held)
             except PlanInfeasibleError as error:
                 point.update(fits_with_lms=False, min_budget_bytes=error.min_budget_bytes)
                 points.append(point)
@@ -117,6 +119,7 @@ def sweep(
         "batch_size": batch_size,
         "step": step,
         "amp": amp,
+        "free_held": free_held,
         "max_size_without_lms": max_plain,
         "max_size_with_lms": max_lms,
         "elements_ratio": ratio,
@@ -166,6 +169,7 @@ def plot_sweep(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     ax.set_title(
         f"{result['model']}, batch {result['batch_size']}, {spec['name']} limited to "
         f"{result['gpu_memory_bytes'] / 2**30:.0f} GiB ({spec['link']})"
+        + (", free_held" if result.get("free_held") else "")
     )
     ax.legend()
     fig.tight_layout()

@@ -97,9 +97,11 @@ def train(
     data: Sequence[torch.Tensor] | None = None,
     progress: bool = True,
     keep_in: Sequence[str] = (),
+    free_held: bool = False,
 ) -> TrainResult:
     """Train ``steps`` steps of a zoo model and measure them. With method "lms", tensors saved
-    inside the submodules named in ``keep_in`` ("layer4") stay on the device (`no_offload_in`).
+    inside the submodules named in ``keep_in`` ("layer4") stay on the device (`no_offload_in`);
+    ``free_held`` is `lms.LMSConfig.free_held`.
 
     Raises:
         PlanInfeasibleError: with method "lms", before training, when the budget cannot fit.
@@ -134,7 +136,9 @@ def train(
     autocast = torch.bfloat16 if amp else None
     offload: LMS | None = None
     if method == "lms":
-        offload = LMS(budget=budget, tier=tier, host_budget=host_budget, model=model)
+        offload = LMS(
+            budget=budget, tier=tier, host_budget=host_budget, model=model, free_held=free_held
+        )
         if budget is not None:
             offload.tune(model, batch, step_fn, autocast=autocast)
 

@@ -179,13 +179,15 @@ def tune_plan(
     tier: str = "auto",
     host_budget_bytes: int | None = None,
     spill_dir: str | None = None,
+    free_held: bool = False,
 ) -> Plan:
     """Trace ``step_fn(model, batch)`` under fake tensors and plan it for the model's device.
 
     A plan for the same step, budget and device found in ``cache_dir`` (else ``$LMS_CACHE_DIR``,
     else ``~/.cache/lms/plans``) is used instead of tuned, if it still fits (`lms.cache`).
     On a GPU, offloaded data beyond ``host_budget_bytes`` is planned into spill files (tier
-    "auto"), or refused (tier "host").
+    "auto"), or refused (tier "host"). ``free_held``: the plan may empty what the step's code
+    holds (`lms.LMSConfig.free_held`).
 
     Raises:
         PlanInfeasibleError: when no plan fits the device budget.
@@ -218,7 +220,7 @@ def tune_plan(
     else:
         where = spec.name
     chooser = getattr(choose, "__qualname__", type(choose).__qualname__)
-    setting = (where, lms.__version__, half, chooser)
+    setting = (where, lms.__version__, half, chooser, *(["free_held"] * free_held))
     path = cache_path(cache_folder(cache_dir), trace, budget, setting)
     loaded = load_cached(path, trace, spec, budget, half=half)
     if loaded is not None:
@@ -229,7 +231,8 @@ def tune_plan(
                 "[LMS] The model or the step is compiled: its plan recomputes nothing, since "
                 "a replay would run it uncompiled (Note [Compiled models are not replayed])"
             )
-        plan = choose(trace, spec, budget, half=half)
+        options = {"free_held": True} if free_held else {}
+        plan = choose(trace, spec, budget, half=half, **options)
     # A cached plan too: the host budget and the spill disk's free space may differ now.
     check_offload_room(
         trace,

@@ -137,6 +137,7 @@ def analyze(
     planner: Callable[[Trace, DeviceSpec, int], Plan] | str | None = None,
     min_offload_bytes: int = AUTO_MIN_OFFLOAD_BYTES,
     name: str = "model",
+    free_held: bool = False,
 ) -> Report:
     """Trace one training step with fake tensors and predict its memory with and without LMS.
 
@@ -155,6 +156,8 @@ def analyze(
             ``"runtime"`` simulates what `lms.LMS` does on its own, without a plan.
         min_offload_bytes: as in `lms.LMS`.
         name: the model's name in reports.
+        free_held: plans may empty what the step's code holds, as `lms.LMS` with
+            ``free_held=True`` does (Note [Emptying what the code holds]).
 
     Raises:
         ValueError: ``gpu_memory`` is not a size above 0, before anything is traced.
@@ -185,6 +188,7 @@ def analyze(
         planner=planner,
         half=autocast in (torch.float16, torch.bfloat16),
         trace_seconds=trace_seconds,
+        free_held=free_held,
     )
 
 
@@ -196,10 +200,12 @@ def report_for(
     planner: Callable[[Trace, DeviceSpec, int], Plan] | str | None = None,
     half: bool = False,
     trace_seconds: float = 0.0,
+    free_held: bool = False,
 ) -> Report:
     """Simulate a traced step without LMS and, when it does not fit, plan and simulate with it.
 
-    Logs the `[LMS]` lines and returns the `Report`; ``planner`` is as in `analyze`.
+    Logs the `[LMS]` lines and returns the `Report`; ``planner`` and ``free_held`` are as in
+    `analyze`.
     """
     plain = simulate(trace, None, spec, half=half)
     # The analysis comes first, as in TFLMS v2; the planner's own lines follow it.
@@ -217,14 +223,14 @@ def report_for(
             else:
                 from lms.planning import plan_auto
 
-                plan = plan_auto(trace, spec, budget, half=half)
+                plan = plan_auto(trace, spec, budget, half=half, free_held=free_held)
         except PlanInfeasibleError as error:
             log.info("[LMS] %s", str(error).removeprefix("lms: "))
             from lms.planning.common import Checker
 
             # everything a plan may move, as the smallest-memory plan moves it
             everything = range(len(trace.entries()))
-            checker = Checker(trace, spec, budget, half=half)
+            checker = Checker(trace, spec, budget, half=half, free_held=free_held)
             plan = checker.plan(everything, ahead=1, sync_mode=3, source="infeasible")
         planned = simulate(trace, plan, spec, half=half)
         plan = dataclasses.replace(

@@ -351,6 +351,7 @@ class Recorder(TorchDispatchMode):
                     alloc_op=self.alloc_op[sid],
                     free_op=self.free_op[sid],
                     last_forward_op=max(self.last_forward[sid], self.let_go.get(sid, -1)),
+                    last_read_op=self.last_forward[sid],
                 )
             )
         return storages

@@ -63,6 +63,8 @@ class StorageRecord:
     """Last forward op that read or wrote it, or after which the last tensor of it that the
     step's code held died, if later (-1 if none): when it dies if autograd lets go (Note [Tensors
     the step's code holds])."""
+    last_read_op: int = -1
+    """Last forward op that read or wrote it (-1 if none), however long the code holds it."""
 
 
 @dataclasses.dataclass(frozen=True)

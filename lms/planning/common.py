@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 from collections.abc import Iterable
 
 from lms._units import format_bytes
 from lms.analysis.devices import DeviceSpec
+from lms.analysis.recompute import recipes
 from lms.analysis.records import Trace
 from lms.analysis.simulate import SimResult, simulate
 from lms.errors import PlanInfeasibleError
 from lms.plan import Plan
 
-__all__ = ["Checker", "entry_distances", "host_spans", "place_spill"]
+__all__ = ["Checker", "emptiable", "entry_distances", "host_spans", "place_spill"]
 
 log = logging.getLogger("lms.planning")
 
@@ -79,6 +81,37 @@ def entry_distances(trace: Trace) -> list[float]:
     ]
 
 
+def emptiable(trace: Trace) -> dict[int, int]:
+    """The entries that the step's code holds past forward's last read of them (an input, a
+    block's input in a local, an output kept into backward), and for each the first saved-tensor
+    event after that read: from there a plan may empty it (Note [Emptying what the code holds]).
+    Not those a kept save holds: autograd reads them in place."""
+    storages = trace.storages
+    event_ops = [event.op for event in trace.events]
+    found = {}
+    for ordinal, (storage, _, _) in enumerate(trace.entries()):
+        record = storages[storage]
+        code_holds = (
+            record.alloc_op < 0
+            or storage in trace.held_by_code
+            or record.last_forward_op > record.last_read_op
+        )
+        if not code_holds or storage in trace.held:
+            continue
+        after = bisect.bisect_right(event_ops, record.last_read_op)
+        if after < len(event_ops):
+            found[ordinal] = trace.events[after].level
+    return found
+
+
+def _replay_inputs(trace: Trace, remade: set[int]) -> set[int]:
+    """The entries that replays of ``remade`` read: those stay filled for the replay."""
+    if not remade:
+        return set()
+    found = recipes(trace)
+    return {i for ordinal in remade if ordinal in found for i in found[ordinal].inputs}
+
+
 @dataclasses.dataclass
 class Checker:
     """Simulates candidate plans for one trace, device and budget, and counts the work."""
@@ -92,11 +125,15 @@ class Checker:
     """Entries read back per use in every plan that offloads them (set by `require_feasible`)."""
     stash: frozenset[int] = frozenset()
     """Gradient junctions relieved in every plan (set by `require_feasible`)."""
+    free_held: bool = False
+    """Whether plans empty what the step's code holds (Note [Emptying what the code holds])."""
 
     def __post_init__(self) -> None:
         self.fingerprint = self.trace.fingerprint()
         self.num_entries = len(self.trace.entries())
         self._host_spans = host_spans(self.trace)
+        self.emptiable = emptiable(self.trace) if self.free_held else {}
+        """Entries a plan may empty while the code holds them, and the event from which."""
         # Note: [Inputs in plans]
         # An input, held by the caller since before the step, frees nothing when moved, and what
         # comes back is a second copy (which the simulator counts, for plans made otherwise, such
@@ -107,9 +144,12 @@ class Checker:
         self.pinned = frozenset(
             ordinal
             for ordinal, (storage, _, _) in enumerate(self.trace.entries())
-            if storages[storage].alloc_op < 0
-            or storage in self.trace.held
-            or storage in self.trace.held_by_code
+            if ordinal not in self.emptiable
+            and (
+                storages[storage].alloc_op < 0
+                or storage in self.trace.held
+                or storage in self.trace.held_by_code
+            )
         )
         """Entries every plan keeps: inputs (held since before the step), storages a kept save
         holds, and those the step's code holds into backward; moving or recomputing one frees
@@ -135,11 +175,17 @@ class Checker:
         chosen = set(offload) - remade - self.pinned
         stash = sorted(self.stash)
         meeting = self.trace.junction_ordinals() if stash else {}
+        refetch = self.refetch & chosen
+        emptied = sorted(
+            set(self.emptiable) & chosen - refetch - _replay_inputs(self.trace, remade)
+        )
         return Plan(
             fingerprint=self.fingerprint,
             offload=tuple(sorted(chosen)),
             spill=self.spill_for(chosen),
-            refetch=tuple(sorted(self.refetch & chosen)),
+            refetch=tuple(sorted(refetch)),
+            free_held=tuple(emptied),
+            free_held_at=tuple(self.emptiable[ordinal] for ordinal in emptied),
             recompute=tuple(sorted(remade)),
             stash=tuple(stash),
             stash_partials=tuple(meeting[ordinal].partials for ordinal in stash),

@@ -57,6 +57,7 @@ def plan_greedy(
     half: bool = False,
     max_simulations: int = 20000,
     first: str = "stash",
+    free_held: bool = False,
 ) -> Plan:
     """The plan with the shortest predicted step that fits ``budget_bytes``.
 
@@ -65,12 +66,13 @@ def plan_greedy(
     core for ResNet50, GoogLeNet or a 3D U-Net under 32 GiB; at seven of the sweeps' hardest
     points twice as many found plans faster by 0.3 points of overhead at most. ``first`` is the
     remedy tried first where offloading everything alone does not fit
-    (`Checker.require_feasible`).
+    (`Checker.require_feasible`). ``free_held``: plans may empty what the step's code holds
+    (Note [Emptying what the code holds]).
 
     Raises:
         PlanInfeasibleError: when not even offloading everything fits.
     """
-    checker = Checker(trace, spec, budget_bytes, half)
+    checker = Checker(trace, spec, budget_bytes, half, free_held=free_held)
     plain = checker.run(None)
     if checker.fits(plain):
         return checker.finish(checker.plan((), source="planner"), plain)

@@ -27,7 +27,14 @@ def _largest_passing(low: int, high: int, passes) -> int | None:  # type: ignore
     return low
 
 
-def tune_tflms(trace: Trace, spec: DeviceSpec, budget_bytes: int, *, half: bool = False) -> Plan:
+def tune_tflms(
+    trace: Trace,
+    spec: DeviceSpec,
+    budget_bytes: int,
+    *,
+    half: bool = False,
+    free_held: bool = False,
+) -> Plan:
     """Find ``swapout_threshold``, ``swapin_ahead``, ``swapin_groupby`` and ``sync_mode`` as
     TFLMS v2 did: the largest threshold that fits (fewest tensors moved), then the largest
     prefetch distance and group that still fit, logging each passing set.
@@ -35,7 +42,7 @@ def tune_tflms(trace: Trace, spec: DeviceSpec, budget_bytes: int, *, half: bool 
     Raises:
         PlanInfeasibleError: when not even offloading everything fits.
     """
-    checker = Checker(trace, spec, budget_bytes, half)
+    checker = Checker(trace, spec, budget_bytes, half, free_held=free_held)
     plain = checker.run(None)
     if checker.fits(plain):
         log.info("[LMS] [Simulator] LMS is not needed: the step fits in the budget")

@@ -76,6 +76,13 @@ def info_lines(
             f"{planned.recompute_s * 1e3:.1f} ms of extra compute); {convolutions} of them "
             f"convolutions' outputs, {chained} made from other recomputed ones"
         )
+    if plan.free_held:
+        emptied = sum(trace.entries()[i][1] for i in plan.free_held)
+        lines.append(
+            f"[LMS] Empty {len(plan.free_held)} offloaded storages ({format_bytes(emptied)}) that "
+            "the step's code still holds, once forward has read them for the last time; backward"
+            " fills them again in place (free_held)"
+        )
     if plan.spill:
         lines.append(
             f"[LMS] Host memory ({format_bytes(spec.host_memory_bytes or 0)}) is short: "

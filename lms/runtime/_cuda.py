@@ -38,10 +38,13 @@ class CopyEngine:
             event.record(self.d2h)
         return event
 
-    def copy_in(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Allocate on the compute stream and queue a copy of pinned ``src`` into it."""
+    def copy_in(
+        self, src: torch.Tensor, into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Allocate on the compute stream (or take ``into``, allocated there) and queue a copy of
+        pinned ``src`` into it."""
         compute = torch.cuda.current_stream(self.device)
-        dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        dst = torch.empty(src.shape, dtype=src.dtype, device=self.device) if into is None else into
         self.h2d.wait_stream(compute)
         with torch.cuda.stream(self.h2d):
             dst.copy_(src, non_blocking=True)

@@ -9,6 +9,7 @@ folder and whatever is still in it, also after an exception.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import errno
 import logging
 import os
@@ -26,6 +27,15 @@ __all__ = ["SpillStore", "check_spill_dir"]
 
 log = logging.getLogger("lms.runtime.disk")
 _RESERVE_FREE_BYTES = 64 * 1024**2
+
+
+def _bytes_view(data: torch.Tensor) -> memoryview:
+    """The bytes of ``data`` (a contiguous CPU uint8 tensor) as a writable memoryview.
+
+    Not through ``data.numpy()``: that marks the storage as one that can never be resized again,
+    and the runtime empties storages the step's code holds (Note [Emptying what the code
+    holds]); the caller keeps ``data`` alive while the view is read or written."""
+    return memoryview((ctypes.c_char * data.numel()).from_address(data.data_ptr())).cast("B")
 
 
 def check_spill_dir(path: str | None) -> str:
@@ -95,7 +105,7 @@ class SpillStore:
         return self._pool.submit(self._write, path, data)
 
     def _write(self, path: str, data: torch.Tensor) -> None:
-        view = memoryview(data.numpy())  # type: ignore[arg-type]
+        view = _bytes_view(data)
         try:
             with open(path, "wb", buffering=0) as handle:
                 written = 0
@@ -120,7 +130,7 @@ class SpillStore:
 
     @staticmethod
     def _read(path: str, into: torch.Tensor) -> torch.Tensor:
-        view = memoryview(into.numpy())  # type: ignore[arg-type]
+        view = _bytes_view(into)
         with open(path, "rb", buffering=0) as handle:
             done = 0
             while done < len(view):

@@ -121,6 +121,15 @@ class Follow:
             step.offload_set = chosen
         return ordinal in step.offload_set
 
+    def empty_at(self, step: Step, entry: Entry) -> int | None:
+        """The event from which the plan empties ``entry`` while the code holds it, if it does
+        (Note [Emptying what the code holds])."""
+        if self.plan is None or not self.plan.free_held or step.diverged:
+            return None
+        if step.empty_at is None:
+            step.empty_at = dict(zip(self.plan.free_held, self.plan.free_held_at, strict=True))
+        return step.empty_at.get(entry.ordinal)
+
     def spills(self, step: Step | None, entry: Entry) -> bool:
         """Whether the plan sends ``entry`` to a spill file rather than host memory."""
         if self.plan is None or not self.plan.spill or step is None or step.diverged:

@@ -220,6 +220,7 @@ class LMS:
             tier=self.config.tier,
             host_budget_bytes=self._offloader.host_limit_bytes,
             spill_dir=self.config.spill_dir,
+            free_held=self.config.free_held,
         )
         self._offloader.sync_out = self.config.sync_out or self.plan.sync_mode in (1, 3)
         self._keep.note_model(model)  # as in the trace
@@ -276,6 +277,8 @@ class LMS:
             if step.entries and not self._live and not in_backward():
                 step.forward_again = True  # gradient accumulation in one block, say
             step.level += 1
+            if step.to_empty:
+                self._empty_due(step)
             self.stats.saved_tensors += 1
             if not step.light:
                 step.saved_storage_bytes += storage_bytes(tensor)
@@ -364,6 +367,9 @@ class LMS:
             self._evict(step)
         elif self._follow.offloads(step, entry):
             self._offload(entry)
+            entry.empty_at = self._follow.empty_at(step, entry) if entry.offloaded else None
+            if entry.empty_at is not None:
+                step.to_empty.append(entry)
             self._evict(step)
         elif entry.held and not self._follow.following(step):
             pass  # stays with the save that holds it, counted as kept saves are
@@ -450,6 +456,10 @@ class LMS:
             step = self._step
             if step is not None and step.owns(entry):
                 step.level += 1
+                if step.to_empty:
+                    if entry in step.to_empty:  # read before it was emptied: it stays
+                        step.to_empty.remove(entry)
+                    self._empty_due(step)
                 step.first_use.setdefault(entry.ordinal, step.level)
                 self._prefetch_after(step, entry)
             entry.uses += 1
@@ -466,6 +476,19 @@ class LMS:
             self.stats.reloaded_bytes = self._offloader.loaded_bytes
         out = torch.empty(0, dtype=packed.dtype, device=entry.device)
         return out.set_(storage, packed.offset, packed.size, packed.stride)
+
+    def _empty_due(self, step: Step) -> None:
+        """Empty the entries whose event has come and whose copy out has finished (Note
+        [Emptying what the code holds]); the rest wait for a later event."""
+        self._offloader.poll()
+        waiting = []
+        for entry in step.to_empty:
+            if entry.pending_out is not None or step.level < (entry.empty_at or 0):
+                waiting.append(entry)
+            elif entry.offloaded and not entry.back and not entry.released:
+                self._offloader.empty(entry)
+        step.to_empty = waiting
+        self.stats.emptied_bytes = self._offloader.emptied_bytes
 
     def _prefetch_after(self, step: Step, entry: Entry) -> None:
         """Start loading the next offloaded entries backward will read after ``entry``."""

@@ -26,6 +26,9 @@ class LMSStats:
     """Bytes moved out of device memory."""
     spilled_bytes: int = 0
     """Of those, bytes written to spill files."""
+    emptied_bytes: int = 0
+    """Of those, bytes of storages the step's code held, emptied in place while it did (a plan
+    made with ``free_held``)."""
     recomputed_tensors: int = 0
     """Storages dropped in forward and recomputed in backward, as the plan said."""
     recomputed_bytes: int = 0

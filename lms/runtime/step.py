@@ -135,6 +135,7 @@ class Step:
         self.refetch_set: set[int] | None = None
         self.recompute_set: set[int] | None = None
         self.spill_set: set[int] | None = None
+        self.empty_at: dict[int, int] | None = None
         self.use_queue: list[Entry] | None = None
         self.use_pos: dict[int, int] = {}
         self.offloaded_at: list[int] = []  # positions in use_queue of offloaded entries, sorted
@@ -148,6 +149,8 @@ class Step:
         self.forward_again = False  # saved after every earlier save was released (by backward)
         self.held: dict[tuple[str, int], weakref.ref[torch.UntypedStorage]] = {}
         """Storages that saves kept in place hold, by (device, address)."""
+        self.to_empty: list[Entry] = []
+        """Offloaded entries the plan empties in place, not emptied yet (`Entry.empty_at`)."""
 
     def owns(self, entry: Entry) -> bool:
         return entry.ordinal < len(self.entries) and self.entries[entry.ordinal] is entry

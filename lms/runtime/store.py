@@ -54,6 +54,9 @@ class Entry:
         "recipe",
         "held",
         "origin",
+        "empty_at",
+        "emptied",
+        "into",
     )
 
     def __init__(self, key: int, ordinal: int, storage: torch.UntypedStorage, device: torch.device):
@@ -80,6 +83,9 @@ class Entry:
         self.recipe: Any = None  # set when backward recomputes it instead
         self.held = False  # a save kept in place holds its storage: moving it frees nothing
         self.origin = weakref.ref(storage)  # the device storage, alive while anything holds it
+        self.empty_at: int | None = None  # the event from which the plan empties it (free_held)
+        self.emptied = False  # its device storage, which the code holds, is empty for now
+        self.into: torch.Tensor | None = None  # that storage's bytes, as a load fills them again
 
     def note_copied(self) -> None:
         """Remember its base's version as its bytes leave the device (copied out, or dropped to be
@@ -113,6 +119,8 @@ class Offloader:
         self.peak_host_bytes = 0
         self.peak_disk_bytes = 0
         self.loaded_bytes = 0
+        self.emptied_bytes = 0
+        self._emptied: dict[int, Entry] = {}  # by key: emptied storages, filled before closing
 
     # -- set-up -----------------------------------------------------------------------------
     def _pool_for(self, device: torch.device) -> HostPool:
@@ -233,6 +241,76 @@ class Offloader:
             error, self._error = self._error, None
             raise error
 
+    # -- emptied in place ----------------------------------------------------------------------
+    # Note: [Emptying what the code holds]
+    # A saved storage frees its device memory when the runtime's copy out ends only if nothing
+    # else holds it. The step's code often does: the caller's input batch, a block's input kept
+    # in a local (`identity = x`), ResNet's `x` while layer1 runs, the model's output kept into
+    # backward. With `free_held`, a plan names those it offloads and, for each, the first
+    # saved-tensor event after forward's last read of it (from the trace); from that event on,
+    # once the copy out has finished, the runtime resizes the storage to nothing (every tensor of
+    # it stays what it was, with no bytes behind it, as FSDP does to its sharded parameters) and
+    # later fills the same storage again in place: when backward reads it (its copy in writes
+    # into it), or when autograd lets go of it unread, or when the step fails, so no tensor the
+    # code holds is lost. No version counter moves. A storage that cannot be resized (shared
+    # memory, numpy's) is kept. Should the plan come too late (the copy out not done before
+    # backward reads it), backward reads the storage where it stayed, with no second copy.
+    def empty(self, entry: Entry) -> None:
+        """Free the device memory of ``entry``'s storage, which something still holds."""
+        origin = entry.origin()
+        if origin is None or entry.emptied or origin.nbytes() != entry.nbytes:
+            return
+        if entry.loading is not None or entry.loaded is not None:
+            return  # on its way back already
+        if entry.last is not None and entry.last() is not None:
+            return  # backward reads it in place
+        try:
+            origin.resize_(0)
+        except RuntimeError:  # not resizable: it stays
+            return
+        entry.emptied = True
+        self.emptied_bytes += entry.nbytes
+        self._emptied[entry.key] = entry
+
+    def _fill_target(self, entry: Entry) -> torch.Tensor | None:
+        """The bytes of ``entry``'s emptied storage, given back its size for a load to fill."""
+        if not entry.emptied:
+            return None
+        entry.emptied = False
+        self._emptied.pop(entry.key, None)
+        origin = entry.origin()
+        if origin is None:
+            return None
+        origin.resize_(entry.nbytes)
+        return _as_bytes(origin, entry.device)
+
+    def _in_place(self, entry: Entry) -> bool:
+        """Whether backward reads ``entry`` where the code still holds it, full (see Note
+        [Emptying what the code holds]): no load."""
+        if entry.empty_at is None or entry.emptied:
+            return False
+        origin = entry.origin()
+        if origin is None or origin.nbytes() != entry.nbytes:
+            return False
+        entry.last = weakref.ref(origin)
+        return True
+
+    def fill(self, entry: Entry) -> None:
+        """Fill ``entry``'s emptied storage from its copy now, before the copy goes."""
+        if not entry.emptied:
+            return
+        if entry.pending_out is not None:
+            self._complete(entry, wait=True)
+        into = self._fill_target(entry)
+        if into is None:
+            return
+        if entry.host_buf is not None:
+            into.copy_(entry.host_buf[: entry.nbytes])
+        elif entry.on_disk:
+            staged = torch.empty(entry.nbytes, dtype=torch.uint8)
+            self._disk_store().read(entry.key, staged).result()
+            into.copy_(staged)
+
     # -- in ----------------------------------------------------------------------------------
     def prefetch(self, entry: Entry) -> bool:
         """Start bringing ``entry`` back; False when it needs no load."""
@@ -240,7 +318,7 @@ class Offloader:
             return False
         if entry.last is not None and entry.last() is not None:
             return False
-        if entry.aborted:
+        if entry.aborted or self._in_place(entry):
             return False
         device = entry.device
         if entry.on_disk:
@@ -248,17 +326,21 @@ class Offloader:
                 self._complete(entry, wait=True)
                 if not entry.offloaded:  # the write failed; the data stayed resident
                     return False
-            into = torch.empty(entry.nbytes, dtype=torch.uint8)
+            entry.into = self._fill_target(entry)
+            into = entry.into
+            if into is None or device.type != "cpu":
+                into = torch.empty(entry.nbytes, dtype=torch.uint8)
             entry.loading = self._disk_store().read(entry.key, into)
         else:
             assert entry.host_buf is not None
             src = entry.host_buf[: entry.nbytes]
+            into = self._fill_target(entry)
             if device.type == "cuda":
                 if entry.pending_out is not None:
                     self._complete(entry, wait=False)
-                entry.loading = self._engine_for(device).copy_in(src)
+                entry.loading = self._engine_for(device).copy_in(src, into)
             else:
-                entry.loading = src.clone()
+                entry.loading = src.clone() if into is None else into.copy_(src)
         self.loaded_bytes += entry.nbytes
         return True
 
@@ -287,12 +369,17 @@ class Offloader:
             self.prefetch(entry)
             if entry.storage is not None:
                 return entry.storage, 0.0
+            if entry.loading is None and entry.last is not None:
+                alive = entry.last()  # read in place (Note [Emptying what the code holds])
+                if alive is not None:
+                    return alive, 0.0
         start = time.perf_counter()
         loading, entry.loading = entry.loading, None
         if isinstance(loading, concurrent.futures.Future):
             data = loading.result()
             if entry.device.type != "cpu":
-                data = data.to(entry.device)
+                into, entry.into = entry.into, None
+                data = data.to(entry.device) if into is None else into.copy_(data)
         elif isinstance(loading, tuple):
             data, event = loading
             self._engine_for(entry.device).wait(event)
@@ -315,6 +402,8 @@ class Offloader:
         entry.released = True
         if entry.pending_out is not None and entry.on_disk:
             self._complete(entry, wait=True)
+        if entry.emptied:
+            self._fill_quietly(entry)
         if entry.host_buf is not None:
             event = entry.in_event if entry.pending_out is None else entry.pending_out
             self.host_bytes -= entry.host_buf.numel()
@@ -329,6 +418,15 @@ class Offloader:
         entry.loaded = None
         entry.loading = None
         entry.pending_out = None
+        entry.into = None
+
+    def _fill_quietly(self, entry: Entry) -> None:
+        """`fill`, where a failed read must not stop the rest of a release: the error is kept
+        for `raise_error`."""
+        try:
+            self.fill(entry)
+        except Exception as error:  # noqa: BLE001 - raised later, once
+            self._error = self._error or error
 
     def abort(self, entries: list[Entry]) -> None:
         """Discard every offloaded copy of ``entries``; resident data stays usable."""
@@ -349,10 +447,12 @@ class Offloader:
             self._disk = None
 
     def close(self) -> None:
-        """Remove spill files and drop the idle buffers of the pool."""
+        """Fill what is still emptied, remove spill files and drop the idle buffers of the pool."""
         for entry in self._pending:
             self._complete(entry, wait=True)
         self._pending = []
+        for entry in list(self._emptied.values()):
+            self._fill_quietly(entry)
         if self._disk is not None:
             self._disk.close()
             self._disk = None

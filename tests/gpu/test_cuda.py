@@ -311,3 +311,31 @@ def test_cudnn_lstm_reserve_keeps_its_place_and_its_plan_is_followed(spill_dir, 
             assert_bitwise(ref, run_step(model, (x,), offload))
     assert "saves tensors other than" not in caplog.text
     offload.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_free_held_is_bitwise_on_cuda_and_leaves_the_batch_whole(
+    deterministic_cudnn, spill_dir, tier
+):
+    """Plans that empty what the code holds (Note [Emptying what the code holds]): a budget
+    between the floors without and with ``free_held``, so the plan must empty something."""
+    from tests.runtime.test_free_held import build, step
+
+    model, x = build(512)
+    model, x = model.cuda(), x.cuda()
+    floors = []
+    for free_held in (False, True):
+        with pytest.raises(lms.PlanInfeasibleError) as info:
+            lms.LMS(budget=1, free_held=free_held).tune(model, [x], step)
+        floors.append(info.value.min_budget_bytes)
+    assert floors[1] < floors[0]
+    offload = lms.LMS(budget=sum(floors) // 2, tier=tier, spill_dir=spill_dir, free_held=True)
+    assert offload.tune(model, [x], step).free_held
+    reference = type(model)().cuda().to(memory_format=torch.channels_last)
+    reference.load_state_dict(model.state_dict())
+    before = x.clone()
+    for _ in range(3):
+        assert_bitwise(run_step(reference, (x,)), run_step(model, (x,), offload))
+        assert same_bits(x, before)
+    assert offload.stats.emptied_bytes > 0
+    offload.close()

@@ -102,6 +102,10 @@ class Plan:
                 f"event for each of its {len(self.free_held)} ordinals"
             )
 
+    def free_held_events(self) -> dict[int, int]:
+        """The event from which each ordinal of `free_held` is emptied, by ordinal."""
+        return dict(zip(self.free_held, self.free_held_at, strict=True))
+
     def junction_partials(self) -> dict[int, int]:
         """How many partial gradients meet at each relieved junction, by ordinal."""
         return dict(zip(self.stash, self.stash_partials or (2,) * len(self.stash), strict=True))

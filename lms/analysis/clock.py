@@ -100,9 +100,7 @@ class Clock:
         self.recompute = set(plan.recompute) if plan is not None else set()
         self.chosen: dict[int, Recipe] = recipes(trace) if self.recompute else {}
         self.relieved = relieved_junctions(trace, plan)
-        self.free_held = (
-            dict(zip(plan.free_held, plan.free_held_at, strict=True)) if plan is not None else {}
-        )
+        self.free_held = plan.free_held_events() if plan is not None else {}
         """Entries emptied while the code holds them, and the event from which (`Plan`)."""
         self.allowance = (
             allowance(trace, plan.budget_bytes)

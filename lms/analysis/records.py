@@ -193,6 +193,12 @@ class Trace:
         )
 
     @functools.cached_property
+    def event_ops(self) -> list[int]:
+        """The op of each saved-tensor event (`SavedEvent.op`), by level less one; do not mutate
+        it."""
+        return [event.op for event in self.events]
+
+    @functools.cached_property
     def _uses(self) -> dict[int, tuple[int, ...]]:
         uses: dict[int, list[int]] = {}
         for event in self.events:

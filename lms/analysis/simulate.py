@@ -351,19 +351,19 @@ class _Residency:
         if most:  # the largest replayed op's, while the replay runs
             self._put(Interval(-1, most, start, end, "scratch"))
 
-    def _emptied(self, record: StorageRecord, ordinal: int) -> float | None:
-        """When the runtime empties ``ordinal`` while the code holds it: at the first saved-tensor
-        event from its plan's, once its copy out is done, before backward reads it and before
-        the code lets go of it; None when that never comes (Note [Emptying what the code holds])."""
+    def _emptied(self, record: StorageRecord, ordinal: int, into_backward: bool) -> float | None:
+        """When the runtime empties ``ordinal`` while the code holds it (``into_backward``: for
+        the whole of forward): at the first saved-tensor event from its plan's, once its copy out
+        is done, before backward reads it and before the code lets go of it; None when that
+        never comes (Note [Emptying what the code holds])."""
         clock = self.clock
-        event_ops, first_use_level = _event_table(clock.trace)
+        event_ops, first_use_level = clock.trace.event_ops, _first_use_levels(clock.trace)
         after_copy = bisect.bisect_left(clock.start, clock.out_done[ordinal])
         event = max(clock.free_held[ordinal] - 1, bisect.bisect_left(event_ops, after_copy))
         if event >= min(len(event_ops), first_use_level.get(record.id, len(event_ops) + 1) - 1):
             return None
         emptied = clock.start[event_ops[event]]
-        code_holds = record.alloc_op < 0 or record.id in clock.trace.held_by_code
-        if not code_holds and emptied >= clock.op_end(record.last_forward_op):
+        if not into_backward and emptied >= clock.op_end(record.last_forward_op):
             return None  # the code let go first: the copy out frees it
         return emptied
 
@@ -372,13 +372,14 @@ class _Residency:
         clock = self.clock
         begin, finish = self._begin(record), clock.op_end(record.free_op)
         if ordinal in clock.free_held:
-            emptied = self._emptied(record, ordinal)
+            into_backward = record.alloc_op < 0 or record.id in clock.trace.held_by_code
+            emptied = self._emptied(record, ordinal, into_backward)
             if emptied is not None:  # filled again in place by its copy in
                 self._add(record, begin, emptied)
                 self._add(record, clock.in_issue.get(ordinal, finish), finish, "reloaded")
                 self._hold(ordinal, finish, record.nbytes)
                 return
-            if record.alloc_op < 0 or record.id in clock.trace.held_by_code:
+            if into_backward:
                 self._add(record, begin, finish)  # backward reads it where it stayed
                 self._hold(ordinal, finish, record.nbytes)
                 return
@@ -426,16 +427,14 @@ def _storage_columns(trace: Trace) -> _StorageColumns:
     return found  # type: ignore[no-any-return]
 
 
-def _event_table(trace: Trace) -> tuple[list[int], dict[int, int]]:
-    """The op of each saved-tensor event, by level less one, and the level of each storage's
-    first read in backward (Note [A trace derives once])."""
-    found = trace.memo.get("event_table")
+def _first_use_levels(trace: Trace) -> dict[int, int]:
+    """The level of each saved storage's first read in backward (Note [A trace derives once])."""
+    found = trace.memo.get("first_use_levels")
     if found is None:
-        first_use: dict[int, int] = {}
+        found = trace.memo["first_use_levels"] = {}
         for event in trace.events:
             if event.kind == "use":
-                first_use.setdefault(event.storage, event.level)
-        found = trace.memo["event_table"] = ([event.op for event in trace.events], first_use)
+                found.setdefault(event.storage, event.level)
     return found  # type: ignore[no-any-return]
 
 

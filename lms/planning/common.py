@@ -86,8 +86,7 @@ def emptiable(trace: Trace) -> dict[int, int]:
     block's input in a local, an output kept into backward), and for each the first saved-tensor
     event after that read: from there a plan may empty it (Note [Emptying what the code holds]).
     Not those a kept save holds: autograd reads them in place."""
-    storages = trace.storages
-    event_ops = [event.op for event in trace.events]
+    storages, event_ops = trace.storages, trace.event_ops
     found = {}
     for ordinal, (storage, _, _) in enumerate(trace.entries()):
         record = storages[storage]

@@ -127,7 +127,7 @@ class Follow:
         if self.plan is None or not self.plan.free_held or step.diverged:
             return None
         if step.empty_at is None:
-            step.empty_at = dict(zip(self.plan.free_held, self.plan.free_held_at, strict=True))
+            step.empty_at = self.plan.free_held_events()
         return step.empty_at.get(entry.ordinal)
 
     def spills(self, step: Step | None, entry: Entry) -> bool:

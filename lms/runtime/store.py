@@ -85,7 +85,7 @@ class Entry:
         self.origin = weakref.ref(storage)  # the device storage, alive while anything holds it
         self.empty_at: int | None = None  # the event from which the plan empties it (free_held)
         self.emptied = False  # its device storage, which the code holds, is empty for now
-        self.into: torch.Tensor | None = None  # that storage's bytes, as a load fills them again
+        self.into: torch.Tensor | None = None  # that device storage, while its file is read
 
     def note_copied(self) -> None:
         """Remember its base's version as its bytes leave the device (copied out, or dropped to be
@@ -307,9 +307,10 @@ class Offloader:
         if entry.host_buf is not None:
             into.copy_(entry.host_buf[: entry.nbytes])
         elif entry.on_disk:
-            staged = torch.empty(entry.nbytes, dtype=torch.uint8)
-            self._disk_store().read(entry.key, staged).result()
-            into.copy_(staged)
+            on_host = into if into.device.type == "cpu" else torch.empty_like(into, device="cpu")
+            self._disk_store().read(entry.key, on_host).result()
+            if on_host is not into:
+                into.copy_(on_host)
 
     # -- in ----------------------------------------------------------------------------------
     def prefetch(self, entry: Entry) -> bool:
@@ -326,9 +327,10 @@ class Offloader:
                 self._complete(entry, wait=True)
                 if not entry.offloaded:  # the write failed; the data stayed resident
                     return False
-            entry.into = self._fill_target(entry)
-            into = entry.into
-            if into is None or device.type != "cpu":
+            into = self._fill_target(entry)
+            if device.type != "cpu":  # read on the host, copied in by `fetch`
+                entry.into, into = into, None
+            if into is None:
                 into = torch.empty(entry.nbytes, dtype=torch.uint8)
             entry.loading = self._disk_store().read(entry.key, into)
         else:

@@ -16,6 +16,7 @@ from lms.planning.common import Checker, emptiable
 from lms.runtime.disk import SpillStore
 from lms.tuning import local_device_spec
 from tests.conftest import assert_bitwise, hooks_are_gone, run_step, spill_files
+from tests.runtime.test_memory import COMMON
 
 MODEL = textwrap.dedent(
     """
@@ -183,13 +184,11 @@ def test_plans_name_only_offloaded_tensors_to_empty():
         lms.LMS(free_held="yes")
 
 
-MEASURED = MODEL + textwrap.dedent(
-    """
-    import dataclasses, sys, lms
-    from lms.analysis import simulate, trace_step
-    from lms.bench.memory import PeakMemory
-    from lms.tuning import local_device_spec
-
+MEASURED = (
+    COMMON
+    + MODEL
+    + textwrap.dedent(
+        """
     model, x = build(512)
     budget, free_held, folder = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
     tuner = lms.LMS(budget=budget, tier="disk", spill_dir=folder, free_held=free_held)
@@ -205,17 +204,11 @@ MEASURED = MODEL + textwrap.dedent(
     trace = trace_step(model, [x], step, device="cpu")
     sim = simulate(trace, plan, local_device_spec(torch.device("cpu")))
     before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
-    growth = []
-    for _ in range(3):
-        model.zero_grad(set_to_none=True)
-        with PeakMemory() as memory:
-            with offload:
-                step(model, [x])
-        growth.append(memory.growth_bytes)
-    print(json.dumps({"measured": growth, "simulated": sim.peak_tensor_bytes - before,
-                      "before": before, "emptied": offload.stats.emptied_bytes,
-                      "fits": sim.peak_bytes <= budget}))
+    print(json.dumps({"measured": measured_growth(model, x, offload),
+                      "simulated": sim.peak_tensor_bytes - before, "before": before,
+                      "emptied": offload.stats.emptied_bytes, "fits": sim.peak_bytes <= budget}))
     """
+    )
 )
 
 
@@ -225,8 +218,7 @@ def test_emptying_lowers_the_measured_heap_as_simulated(spill_dir):
     budget = 64 * 2**20
 
     def run(free_held):
-        script = "import json\n" + MEASURED
-        args = [sys.executable, "-c", script, str(budget), str(int(free_held)), spill_dir]
+        args = [sys.executable, "-c", MEASURED, str(budget), str(int(free_held)), spill_dir]
         out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 

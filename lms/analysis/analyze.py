@@ -37,6 +37,8 @@ class Report:
     planned: SimResult | None
     trace_seconds: float
     tune_seconds: float
+    free_held: bool = False
+    """Whether plans may empty what the step's code holds (`analyze`'s ``free_held``)."""
 
     @property
     def needed(self) -> bool:
@@ -61,6 +63,7 @@ class Report:
             self.plan,
             self.planned,
             budget_bytes=self.budget_bytes,
+            free_held=self.free_held,
         )
 
     def log(self, logger: logging.Logger = log) -> None:
@@ -209,7 +212,7 @@ def report_for(
     """
     plain = simulate(trace, None, spec, half=half)
     # The analysis comes first, as in TFLMS v2; the planner's own lines follow it.
-    head = Report(trace, spec, budget, plain, None, None, trace_seconds, 0.0).lines()
+    head = Report(trace, spec, budget, plain, None, None, trace_seconds, 0.0, free_held).lines()
     for line in head:
         log.info("%s", line)
     plan = planned = None
@@ -237,7 +240,9 @@ def report_for(
             plan, predicted_peak_bytes=planned.peak_bytes, predicted_overhead=planned.overhead
         )
     tune_seconds = time.perf_counter() - started
-    report = Report(trace, spec, budget, plain, plan, planned, trace_seconds, tune_seconds)
+    report = Report(
+        trace, spec, budget, plain, plan, planned, trace_seconds, tune_seconds, free_held
+    )
     for line in report.lines()[len(head) :]:
         log.info("%s", line)
     return report

@@ -20,6 +20,7 @@ def info_lines(
     planned: SimResult | None,
     *,
     budget_bytes: int,
+    free_held: bool = False,
 ) -> list[str]:
     """The lines, without the logger's prefix."""
     largest = trace.largest_op
@@ -49,7 +50,13 @@ def info_lines(
         return lines
     lines.append("[LMS] LMS is needed")
     held = [nbytes for storage, nbytes, _ in trace.entries() if storage in trace.held_by_code]
-    if held:
+    if held and free_held:
+        lines.append(
+            f"[LMS] The step's code holds {len(held)} saved storages ({format_bytes(sum(held))}) "
+            "into backward (a variable that keeps the model's output, a tensor a module keeps on "
+            "itself); a plan may empty those forward no longer reads (free_held)"
+        )
+    elif held:
         lines.append(
             f"[LMS] {len(held)} saved storages ({format_bytes(sum(held))}) stay on the device: "
             "the step's code holds them into backward (a variable that keeps the model's output, "

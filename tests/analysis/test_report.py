@@ -173,6 +173,16 @@ def test_lines_say_what_stays_for_the_code_and_what_convolutions_take_on_a_cpu()
     for plan in (report_on("cpu", "10MiB").plan, report_on("v100-16gb", "70MiB").plan):
         assert plan is not None and not set(held) & set(plan.offload)  # nor when nothing fits
     assert "Convolutions take up to" not in "\n".join(report_on("v100-16gb", "70MiB").lines())
+    freeing = analyze(
+        deep,
+        lambda: [torch.randn(8, 3, 128, 128)],
+        gpu_memory="70MiB",
+        device_spec="cpu",
+        free_held=True,
+    )
+    text = "\n".join(freeing.lines())
+    assert "stay on the device" not in text
+    assert "holds 1 saved storages (8.00 MiB) into backward" in text and "(free_held)" in text
 
 
 def test_the_analysis_is_logged_before_the_planner_speaks(caplog):

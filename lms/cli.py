@@ -253,7 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", required=True)
     bench.add_argument("--sizes", type=_counts, required=True, help="comma-separated edges")
     bench.add_argument("--budget", default=None)
-    bench.add_argument("--methods", default="none,lms,save_on_cpu,checkpoint")
+    bench.add_argument(
+        "--methods",
+        default="none,lms,save_on_cpu,checkpoint",
+        help="comma-separated, of none, lms, lms_free_held (LMS with --free-held), save_on_cpu, "
+        "checkpoint",
+    )
     bench.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
     bench.add_argument("--steps", type=_count, default=3)
     bench.add_argument(

@@ -235,6 +235,7 @@ def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:
         "refetch": len(plan.refetch),
         "spill": len(plan.spill),
         "stash": len(plan.stash),
+        "free_held": len(plan.free_held),
         "entries": plan.num_entries,
     }
 

@@ -206,6 +206,10 @@ def test_bench_rotates_the_methods_and_keeps_each_median(monkeypatch):
     assert result["largest_size"] == {"none": 64, "lms": 256}
     with pytest.raises(ValueError, match="repeats=0"):
         compare.bench("resnet50", sizes=[64], budget=None, repeats=0)
+    runs = len(order)
+    with pytest.raises(ValueError, match="must name one or more of none, lms, lms_free_held"):
+        compare.bench("resnet50", sizes=[64], budget=None, methods=["none", "lsm"])
+    assert len(order) == runs  # refused before any run
 
 
 def test_fewer_than_one_step_fails_before_anything_runs(capsys):
@@ -278,13 +282,15 @@ def test_cli_trains_on_a_folder_of_images_and_refuses_what_cannot_feed_the_model
 
 def test_cli_bench_measures_each_run_in_its_own_process(tmp_path):
     out, plot = tmp_path / "b.json", tmp_path / "b.png"
-    argv = ["-q", "bench", "--model", "resnet50", "--sizes", "64", "--methods", "none,lms"]
-    argv += ["--steps", "1", "--repeats", "2", "--json", str(out), "--plot", str(plot)]
+    argv = ["-q", "bench", "--model", "resnet50", "--sizes", "64"]
+    argv += ["--methods", "none,lms,lms_free_held", "--steps", "1", "--repeats", "2"]
+    argv += ["--json", str(out), "--plot", str(plot)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert [(p["method"], p["fits"], len(p["step_s_runs"])) for p in result["points"]] == [
         ("none", True, 2),
         ("lms", True, 2),
+        ("lms_free_held", True, 2),
     ]
     assert all(
         p["step_s"] in p["step_s_runs"] and p["elements_per_s"] > 0 for p in result["points"]

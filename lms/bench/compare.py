@@ -10,6 +10,7 @@ CPU step]).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -23,11 +24,14 @@ from tqdm import tqdm
 
 from lms._units import check_counts, format_bytes, format_rate, parse_bytes
 
-__all__ = ["bench", "plot_bench", "child_main"]
+__all__ = ["bench", "plot_bench", "child_main", "BENCH_METHODS"]
 
 log = logging.getLogger("lms.bench")
 
 _CHILD = "from lms.bench.compare import child_main; child_main()"
+BENCH_METHODS = ("none", "lms", "lms_free_held", "save_on_cpu", "checkpoint")
+"""`lms train`'s methods, and "lms_free_held": LMS whose plans may empty what the step's code
+holds (`lms.LMSConfig.free_held`)."""
 
 
 def child_main() -> None:
@@ -37,6 +41,7 @@ def child_main() -> None:
     from lms.train import train
 
     args = json.loads(sys.argv[1])
+    method = args["method"]
     budget = args["budget"]
     if budget is not None and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory
@@ -47,12 +52,13 @@ def child_main() -> None:
             size=args["size"],
             batch_size=args["batch_size"],
             steps=args["steps"],
-            method=args["method"],
+            method=method.removesuffix("_free_held"),
             budget=budget,
             amp=args["amp"],
             progress=False,
+            free_held=method == "lms_free_held",
         )
-        print(json.dumps({"ok": True, **dataclasses.asdict(result)}))
+        print(json.dumps({"ok": True, **dataclasses.asdict(result), "method": method}))
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
         print(json.dumps({"ok": False, "error": f"{type(error).__name__}: {error}"[:500]}))
 
@@ -85,6 +91,11 @@ def bench(
 
     zoo_model(model).check_batch(batch_size)  # before any run starts
     check_counts(steps=steps, repeats=repeats)
+    unknown = [method for method in methods if method not in BENCH_METHODS]
+    if unknown or not methods:
+        raise ValueError(
+            f"lms: methods={list(methods)} must name one or more of {', '.join(BENCH_METHODS)}"
+        )
     if min(sizes, default=0) < 1:
         raise ValueError(f"lms: sizes={list(sizes)} must be one or more edges of at least 1")
     limit = parse_bytes(budget, field="budget") if budget is not None else None
@@ -216,7 +227,8 @@ def plot_bench(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     unit = "pixels"
-    for method in result["largest_size"]:
+    markers = itertools.cycle("os^Dv")  # a shape a method: equal rates stay visible
+    for method, marker in zip(result["largest_size"], markers, strict=False):
         fitting = [p for p in result["points"] if p["method"] == method and p["fits"]]
         if not fitting:
             continue
@@ -224,12 +236,14 @@ def plot_bench(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
         ax.plot(
             [p["size"] for p in fitting],
             [p["elements_per_s"] / 1e6 for p in fitting],
-            "o-",
+            f"{marker}-",
             label=method,
+            fillstyle="none",
+            markersize=8,
         )
     ax.set_xlabel("image edge")
     ax.set_ylabel(f"measured data rate (mega{unit}/s)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.05)  # room above the highest marker
     budget = result["budget_bytes"]
     ax.set_title(
         f"{result['model']}: measured, budget {format_bytes(budget) if budget else 'none'}"

@@ -250,10 +250,31 @@ class Checker:
             f"{format_bytes(result.peak_bytes)} that the step needs {how}: "
             f"{where} runs at that peak (the largest operation, "
             f"{largest.name} at {largest.module}, needs {format_bytes(largest.working_set_bytes)}"
-            " at once); raise the budget or lower the batch size or resolution",
+            " at once); raise the budget or lower the batch size or resolution"
+            + self._free_held_hint(result.peak_bytes),
             op_name=op.name if op else "",
             op_bytes=largest.working_set_bytes,
             min_budget_bytes=result.peak_bytes,
+        )
+
+    def _free_held_hint(self, needed: int) -> str:
+        """What ``free_held`` would change, when it is off and the step's code holds saved
+        tensors past forward's last read of them (the end of `require_feasible`'s message)."""
+        if self.free_held or not emptiable(self.trace):
+            return ""
+        freeing = Checker(self.trace, self.spec, self.budget_bytes, self.half, free_held=True)
+        try:
+            freeing.require_feasible()
+            outcome = "with it the step fits this budget"
+        except PlanInfeasibleError as error:
+            if error.min_budget_bytes >= needed:
+                return ""
+            outcome = f"with it the step needs {format_bytes(error.min_budget_bytes)}"
+        finally:
+            self.simulations += freeing.simulations
+        return (
+            ", or set free_held (--free-held), which empties what the step's code holds but "
+            f"forward no longer reads: {outcome}"
         )
 
     def _everything_out(self) -> tuple[tuple[Plan, SimResult] | None, tuple[Plan, SimResult]]:

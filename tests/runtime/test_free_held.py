@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import lms
+from lms._units import format_bytes
 from lms.analysis import trace_step
 from lms.planning.common import Checker, emptiable
 from lms.runtime.disk import SpillStore
@@ -83,6 +84,14 @@ def test_the_code_holds_the_batch_and_the_stems_output_past_their_last_reads():
     assert storages.index(trace.ops[0].inputs[0]) in found  # the batch, read by the stem only
     assert len(found) >= 2
     assert held < plain
+    spec = local_device_spec(torch.device("cpu"))
+    with pytest.raises(lms.PlanInfeasibleError, match="set free_held") as info:
+        Checker(trace, spec, held).require_feasible()  # the refusal says free_held would fit
+    assert info.value.min_budget_bytes == plain
+    assert "with it the step fits this budget" in str(info.value)
+    with pytest.raises(lms.PlanInfeasibleError) as info:
+        Checker(trace, spec, 1).require_feasible()
+    assert f"with it the step needs {format_bytes(held)}" in str(info.value)
 
 
 @pytest.mark.parametrize("after_block", [False, True], ids=["backward-inside", "backward-after"])

@@ -13,6 +13,7 @@ import torch
 import lms
 from lms._units import format_bytes
 from lms.analysis import trace_step
+from lms.planning import plan_auto
 from lms.planning.common import Checker, emptiable
 from lms.runtime.disk import SpillStore
 from lms.tuning import local_device_spec
@@ -92,6 +93,18 @@ def test_the_code_holds_the_batch_and_the_stems_output_past_their_last_reads():
     with pytest.raises(lms.PlanInfeasibleError) as info:
         Checker(trace, spec, 1).require_feasible()
     assert f"with it the step needs {format_bytes(held)}" in str(info.value)
+
+
+def test_plans_empty_only_where_that_is_faster_or_the_only_fit():
+    model, x = build(256)
+    trace, (plain, held) = floors(model, x)
+    spec = local_device_spec(torch.device("cpu"))
+    between = plan_auto(trace, spec, (plain + held) // 2, free_held=True)
+    assert between.free_held  # only emptying fits
+    roomy = plan_auto(trace, spec, plain + (plain - held), free_held=True)
+    filled = plan_auto(trace, spec, plain + (plain - held))
+    assert roomy.free_held == () or roomy.predicted_overhead < filled.predicted_overhead - 1e-3
+    assert roomy.predicted_overhead <= filled.predicted_overhead
 
 
 @pytest.mark.parametrize("after_block", [False, True], ids=["backward-inside", "backward-after"])

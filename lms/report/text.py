@@ -50,17 +50,17 @@ def info_lines(
         return lines
     lines.append("[LMS] LMS is needed")
     held = [nbytes for storage, nbytes, _ in trace.entries() if storage in trace.held_by_code]
+    holders = "(a variable that keeps the model's output, a tensor a module keeps on itself)"
     if held and free_held:
         lines.append(
             f"[LMS] The step's code holds {len(held)} saved storages ({format_bytes(sum(held))}) "
-            "into backward (a variable that keeps the model's output, a tensor a module keeps on "
-            "itself); a plan may empty those forward no longer reads (free_held)"
+            f"into backward {holders}; a plan may empty those forward no longer reads (free_held)"
         )
     elif held:
         lines.append(
             f"[LMS] {len(held)} saved storages ({format_bytes(sum(held))}) stay on the device: "
-            "the step's code holds them into backward (a variable that keeps the model's output, "
-            "a tensor a module keeps on itself), so moving them would free nothing"
+            f"the step's code holds them into backward {holders}, so moving them would free "
+            "nothing"
         )
     if plan is None or planned is None:
         return lines

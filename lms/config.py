@@ -39,7 +39,9 @@ class LMSConfig:
     """Settings of one `lms.LMS` runtime. Sizes accept bytes or strings such as ``"10GiB"``."""
 
     budget: int | str | None = None
-    """Device memory the step may use (bytes); None means no limit (offload by threshold only)."""
+    """Device memory the step may use (bytes), its weights, batch and gradients included but not
+    optimizer state, which needs room of its own; None means no limit (offload by threshold
+    only)."""
     tier: Tier = "auto"
     """Where offloaded data goes: "auto" (host memory from a CUDA device, disk from the CPU),
     "host" (pinned host memory only) or "disk" (spill files)."""

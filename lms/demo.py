@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from lms._units import check_counts, format_bytes
 from lms.analysis import report_for, simulate, trace_step
-from lms.bench.memory import PeakMemory
+from lms.bench.memory import PeakMemory, tensors_bytes
 from lms.runtime import LMS
 from lms.tuning import local_device_spec
 from lms.zoo import zoo_model
@@ -83,6 +83,10 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     assert entry.step_fn is not None
     plan = report.plan if report.plan is not None and report.plan.source != "infeasible" else None
     offload = LMS(budget=budget, plan=plan)
+    # What each step starts with (weights, buffers, the batch), which the budget and the
+    # simulator count: the measured peak is that plus the step's growth (on a GPU, over what
+    # the card holds at its start, which also has the optimizer's momentum).
+    held = tensors_bytes([*model.parameters(), *model.buffers(), images, labels])
     times, peaks, resident = [], [], []
     for _ in tqdm(range(steps), desc="training with LMS", unit="step"):
         optimizer.zero_grad(set_to_none=True)
@@ -98,7 +102,8 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        peaks.append(torch.cuda.max_memory_allocated() - base if cuda else memory.growth_bytes)
+        grown = torch.cuda.max_memory_allocated() - base if cuda else memory.growth_bytes
+        peaks.append(held + grown)
         resident.append(memory.rss_growth_bytes)
     offload.close()
 
@@ -106,20 +111,18 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     step_s = sum(steady) / len(steady)
     pixels = batch * entry.elements(size)
     measured = max(peaks[1:] or peaks)
-    simulated = report.planned or report.plain
-    # What the step adds on top of parameters, buffers and inputs (on the CPU: heap growth).
-    before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
-    predicted = simulated.peak_tensor_bytes - (0 if cuda else before)
+    predicted = (report.planned or report.plain).peak_tensor_bytes
     stats = offload.stats
     heap_counted = memory.heap_growth_bytes is not None
-    what = "growth of the heap in use" if heap_counted else "resident set growth"
+    what = "device memory" if cuda else "heap in use" if heap_counted else "resident set"
     lines = [
         f"[LMS] Trained {steps} steps of {MODEL} {size}x{size} batch {batch} on {device.type}; "
         f"last loss {loss.item():.4f}",
         f"[LMS] Throughput: {batch / step_s:.2f} images/s, {pixels / step_s / 1e6:.2f} "
         f"megapixels/s ({step_s:.2f} s per step after the first)",
-        f"[LMS] Measured peak {'device memory' if cuda else what}: "
-        f"{format_bytes(measured)} against a budget of {format_bytes(budget)}; simulated "
+        f"[LMS] Measured peak: {format_bytes(measured)} ({format_bytes(held)} of weights and "
+        f"batch, then the {what} grew by {format_bytes(measured - held)}) against a budget of "
+        f"{format_bytes(budget)}; simulated "
         f"{format_bytes(predicted)} ({measured / predicted - 1:+.1%}); without LMS "
         f"{format_bytes(plain_peak)}",
         *(

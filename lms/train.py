@@ -2,8 +2,9 @@
 
 Methods: ``none`` (plain), ``lms`` (this library, tuned to the budget), ``save_on_cpu``
 (`torch.autograd.graph.save_on_cpu`), ``checkpoint`` (non-reentrant activation checkpointing of
-every block). Memory is the device's peak allocation on a GPU, or on the CPU the growth of the C
-heap in use over a step (Note [The C heap in use, not the resident set, measures a CPU step]).
+every block). Memory is the device's peak allocation on a GPU; on the CPU, the weights, buffers and
+batch the step starts with plus the growth of the C heap in use over the step (Note [The C heap in
+use, not the resident set, measures a CPU step]), the scope of a budget and of the simulator.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from lms._units import check_counts, format_bytes, format_rate
-from lms.bench.memory import PeakMemory
+from lms.bench.memory import PeakMemory, tensors_bytes
 from lms.errors import LMSError, step_failed
 from lms.runtime import LMS
 from lms.runtime.keep import no_offload_in, submodules
@@ -46,8 +47,8 @@ class TrainResult:
     elements_per_s: float
     unit: str
     peak_bytes: int
-    """Peak device allocation (GPU) or the peak growth of the C heap in use over a step (CPU; the
-    resident set's where the heap is not counted: `lms.bench.memory`)."""
+    """Peak device allocation (GPU); on a CPU, ``start_bytes`` plus the peak growth of the C heap
+    in use over a step (the resident set's where the heap is not counted: `lms.bench.memory`)."""
     device: str
     loss: float
     lms_stats: dict[str, float] | None
@@ -55,6 +56,10 @@ class TrainResult:
     """With LMS tuned: the plan's predicted peak and overhead, and how many storages it moves."""
     rss_growth_bytes: int | None = None
     """On a CPU: the resident set's peak growth over a step, for reference."""
+    start_bytes: int | None = None
+    """On a CPU: the weights, buffers and batch each step starts with, which a budget counts as a
+    GPU's allocation does (optimizer state is not counted, as the trace of a step that does not
+    run the optimizer leaves it out)."""
 
 
 class _Checkpointed(torch.nn.Module):
@@ -130,6 +135,7 @@ def train(
     batch = [t.to(target) for t in batch]
     if fmt is not None:
         batch[0] = batch[0].contiguous(memory_format=fmt)
+    start_bytes = None if cuda else tensors_bytes([*model.parameters(), *model.buffers(), *batch])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     assert entry.step_fn is not None
     step_fn = entry.step_fn
@@ -176,7 +182,11 @@ def train(
             if cuda:
                 torch.cuda.synchronize(target)
             times.append(time.perf_counter() - start)
-        peaks.append(torch.cuda.max_memory_allocated(target) if cuda else memory.growth_bytes)
+        peaks.append(
+            torch.cuda.max_memory_allocated(target)
+            if cuda
+            else (start_bytes or 0) + memory.growth_bytes
+        )
         resident.append(memory.rss_growth_bytes)
     steady = times[1:] or times
     step_s = sum(steady) / len(steady)
@@ -196,17 +206,20 @@ def train(
         lms_stats=offload.stats.as_dict() if offload is not None else None,
         plan=_plan_summary(offload),
         rss_growth_bytes=None if cuda else max(resident[1:] or resident),
+        start_bytes=start_bytes,
     )
     if offload is not None:
         offload.close()
     if kept is not None:
         kept.remove()
-    if cuda:
-        measure = ""
-    elif memory.heap_growth_bytes is None:  # the resident set is all there is
-        measure = " resident set growth"
-    else:
-        measure = f" heap growth ({format_bytes(result.rss_growth_bytes or 0)} resident)"
+    measure = ""
+    if start_bytes is not None:
+        grew = f"grew by {format_bytes(result.peak_bytes - start_bytes)}"
+        if memory.heap_growth_bytes is None:  # the resident set is all there is
+            grew = f"the resident set {grew}"
+        else:
+            grew = f"the heap in use {grew} ({format_bytes(result.rss_growth_bytes or 0)} resident)"
+        measure = f": {format_bytes(start_bytes)} of weights and batch, then {grew}"
     log.info(
         "[LMS] %s size %d batch %d, %s: %.3f s/step, %.3g samples/s, %s, peak %s%s",
         model_name,

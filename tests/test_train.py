@@ -1,10 +1,13 @@
 """`lms train` and `lms bench`: real loops, the peers, and the summary they report."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from lms.analysis import trace_step
 from lms.bench.compare import summarize
 from lms.cli import main
 from lms.errors import StepFailedError
@@ -26,9 +29,14 @@ def test_every_method_trains_and_measures():
         )
         for method in ("none", "lms", "save_on_cpu", "checkpoint")
     }
+    # on a CPU the peak counts what each step starts with, as a budget and the simulator do
+    entry = ZOO["resnet50"]
+    trace = trace_step(entry.build, lambda: entry.make_batch(64, 2), entry.step_fn, device="cpu")
+    start = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
     for result in results.values():
         assert result.step_s > 0 and result.elements_per_s > 0 and result.unit == "pixels"
-        assert result.peak_bytes >= 0
+        assert result.start_bytes == start
+        assert result.peak_bytes > start  # and the step's activations on top
     # the same weights, data and seed: the same first loss for every method
     losses = {round(r.loss, 5) for r in results.values()}
     assert len(losses) == 1, losses
@@ -318,3 +326,25 @@ def test_a_step_the_model_cannot_take_is_a_typed_error_before_training(method, c
         train("resnet50", size=32, batch_size=1, steps=2, method=method, budget="1GiB")
     assert isinstance(raised.value.__cause__, ValueError)
     assert raised.value.where.endswith("in _verify_batch_size")
+
+
+def test_the_demo_trains_past_its_budget_within_it_as_simulated(tmp_path):
+    """The main job, in a fresh process: its measured peak (the weights and batch the step
+    starts with, then the heap's growth) stays within the budget and near the simulated peak."""
+    script = (
+        "import json, sys; from lms.demo import run_demo; "
+        "print(json.dumps(run_demo(out_dir=sys.argv[1], steps=2)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    measured, budget = figures["measured_peak_bytes"], figures["budget_bytes"]
+    assert measured <= budget < figures["plain_peak_bytes"] / 2
+    assert abs(measured / figures["predicted_peak_bytes"] - 1) < 0.02
+    assert (tmp_path / "memory.png").stat().st_size > 0
+    assert (tmp_path / "memory_snapshot.pickle").stat().st_size > 0

@@ -3,8 +3,8 @@
 Each (size, method) runs in its own process, so that one run's memory cannot hide another's. A
 method reaches a size when its steps ran and its measured peak stayed within the budget (on a GPU
 the budget is enforced with `torch.cuda.set_per_process_memory_fraction`; on the CPU it is checked
-against the growth of the C heap in use: Note [The C heap in use, not the resident set, measures a
-CPU step]).
+against the weights, buffers and batch a step starts with plus its growth of the C heap in use:
+Note [The C heap in use, not the resident set, measures a CPU step]).
 """
 
 from __future__ import annotations

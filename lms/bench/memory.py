@@ -18,9 +18,11 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-__all__ = ["PeakMemory", "current_rss_bytes", "heap_in_use_bytes"]
+import torch
+
+__all__ = ["PeakMemory", "current_rss_bytes", "heap_in_use_bytes", "tensors_bytes"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -63,6 +65,16 @@ def heap_in_use_bytes() -> int | None:
         return None
     info = _MALLINFO2()
     return int(info.uordblks + info.hblkhd)
+
+
+def tensors_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors``: what a step starts with (weights,
+    buffers, the batch), which a budget counts but the heap's growth over the step leaves out."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        storages[(storage.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
 
 
 def current_rss_bytes() -> int:

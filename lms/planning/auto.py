@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from lms.analysis.devices import DeviceSpec
 from lms.analysis.records import Trace
 from lms.errors import PlanInfeasibleError
@@ -10,6 +12,8 @@ from lms.planning.greedy import plan_greedy
 from lms.planning.tflms import tune_tflms
 
 __all__ = ["plan_auto"]
+
+log = logging.getLogger("lms.planning")
 
 
 def plan_auto(
@@ -37,11 +41,23 @@ def plan_auto(
     fastest = _fastest(trace, spec, budget_bytes, half=half, free_held=free_held)
     if not fastest.free_held:
         return fastest
+    emptying = f"the plan that empties {len(fastest.free_held)} held storages"
+    log.info(
+        "[LMS] free_held: %s is predicted at %+.1f%%; searching one that empties none",
+        emptying,
+        100 * fastest.predicted_overhead,
+    )
     try:
         filled = _fastest(trace, spec, budget_bytes, half=half, free_held=False)
     except PlanInfeasibleError:
+        log.info("[LMS] free_held: none fits without emptying; %s stands", emptying)
         return fastest
     faster = fastest.predicted_overhead < filled.predicted_overhead - 1e-3
+    log.info(
+        "[LMS] free_held: the plan that empties none is predicted at %+.1f%%; %s",
+        100 * filled.predicted_overhead,
+        f"{emptying} stands, faster by over 0.1%" if faster else "it stands",
+    )
     return fastest if faster else filled
 
 

@@ -183,12 +183,13 @@ def plan_greedy(
     kept = set(range(len(entries))) - set(plan.offload) - set(plan.recompute)
     result = checker.run(plan)
     log.info(
-        "[LMS] [Planner] keep %d, offload %d, recompute %d of %d saved storages; "
+        "[LMS] [Planner] keep %d, offload %d, recompute %d of %d saved storages%s; "
         "swapin_ahead %d, sync_mode %d; %d simulations",
         len(kept),
         len(plan.offload),
         len(plan.recompute),
         len(entries),
+        f", empty {len(plan.free_held)} held" if plan.free_held else "",
         plan.swapin_ahead,
         plan.sync_mode,
         checker.simulations,

@@ -3,6 +3,7 @@ holds whole again after every step and every fault, memory as simulated (Note [E
 the code holds])."""
 
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -95,12 +96,15 @@ def test_the_code_holds_the_batch_and_the_stems_output_past_their_last_reads():
     assert f"with it the step needs {format_bytes(held)}" in str(info.value)
 
 
-def test_plans_empty_only_where_that_is_faster_or_the_only_fit():
+def test_plans_empty_only_where_that_is_faster_or_the_only_fit(caplog):
     model, x = build(256)
     trace, (plain, held) = floors(model, x)
     spec = local_device_spec(torch.device("cpu"))
-    between = plan_auto(trace, spec, (plain + held) // 2, free_held=True)
-    assert between.free_held  # only emptying fits
+    with caplog.at_level(logging.INFO, logger="lms.planning"):
+        between = plan_auto(trace, spec, (plain + held) // 2, free_held=True)
+    assert between.free_held  # only emptying fits, and the log says which search stood
+    said = [r.getMessage() for r in caplog.records if "free_held:" in r.getMessage()]
+    assert said[-1].endswith(f"empties {len(between.free_held)} held storages stands"), said
     roomy = plan_auto(trace, spec, plain + (plain - held), free_held=True)
     filled = plan_auto(trace, spec, plain + (plain - held))
     assert roomy.free_held == () or roomy.predicted_overhead < filled.predicted_overhead - 1e-3

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -349,3 +350,30 @@ def test_the_demo_trains_past_its_budget_within_it_as_simulated(tmp_path):
     assert 0.95 * figures["predicted_peak_bytes"] < measured
     assert (tmp_path / "memory.png").stat().st_size > 0
     assert (tmp_path / "memory_snapshot.pickle").stat().st_size > 0
+
+
+def test_bench_removes_the_spill_folder_of_a_run_that_was_killed(tmp_path, monkeypatch):
+    from lms.bench import compare
+
+    child = (
+        "import os, signal, torch, lms\n"
+        "model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])\n"
+        "model[-1].register_forward_pre_hook(lambda *_: os.kill(os.getpid(), signal.SIGKILL))\n"
+        "with lms.LMS(tier='disk', swapout_threshold=1, min_offload_bytes=0):\n"
+        "    model(torch.randn(256, 256)).sum().backward()\n"
+    )
+    monkeypatch.setattr(compare, "_CHILD", child)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the child's default spill directory
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+    remove = compare._remove_stale_spills
+
+    def spy():
+        seen.append(list(tmp_path.glob("lms-spill-*")))
+        remove()
+
+    monkeypatch.setattr(compare, "_remove_stale_spills", spy)
+    result = compare._run({}, timeout_s=120)
+    assert not result["ok"]
+    assert len(seen) == 1 and len(seen[0]) == 1  # the killed run's folder, then removed
+    assert list(tmp_path.glob("lms-spill-*")) == []

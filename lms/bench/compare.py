@@ -153,13 +153,26 @@ def _run(arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
             text=True,
             timeout=timeout_s,
         )
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # killed: its spill folder is left (the next run's too)
+        _remove_stale_spills()
         return {"ok": False, "error": f"timed out after {timeout_s:.0f} s"}
+    if done.returncode < 0:  # killed by a signal, the out-of-memory killer's say
+        _remove_stale_spills()
     lines = done.stdout.strip().splitlines()
     if lines:
         result: dict[str, Any] = json.loads(lines[-1])
         return result
     return {"ok": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+
+
+def _remove_stale_spills() -> None:
+    """Remove the spill folder of a run that was killed (its runtime spills to the default spill
+    directory): Note [Spill folders of processes that were killed]."""
+    import tempfile
+
+    from lms.runtime.disk import remove_stale_folders
+
+    remove_stale_folders(tempfile.gettempdir())
 
 
 def _describe(point: dict[str, Any]) -> str:

@@ -4,6 +4,15 @@ A `SpillStore` owns a private folder under the spill directory and one backgroun
 Writes and reads run on that thread in submission order, so a read of a key always follows its
 write. Files hold raw bytes and are deleted when their data is released; `close()` removes the
 folder and whatever is still in it, also after an exception.
+
+Note: [Spill folders of processes that were killed]
+A process killed outright (SIGKILL, the kernel's out-of-memory killer, a timeout's kill) runs no
+clean-up, and its spill folder would stay, gigabytes of it. Each folder's name says which
+process made it, on which host and in which process-id namespace (a container has its own):
+``lms-spill-<pid>@<host>.<namespace>-<random>``. Before a store makes its folder it removes the
+folders under its spill directory whose process is gone from this host and namespace
+(`remove_stale_folders`). A folder of a live process, of another host or namespace, or of a
+process this one may not signal is left alone.
 """
 
 from __future__ import annotations
@@ -13,7 +22,9 @@ import ctypes
 import errno
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 import threading
 import weakref
@@ -23,7 +34,7 @@ import torch
 from lms._units import format_bytes
 from lms.errors import SpillError
 
-__all__ = ["SpillStore", "check_spill_dir"]
+__all__ = ["SpillStore", "check_spill_dir", "remove_stale_folders"]
 
 log = logging.getLogger("lms.runtime.disk")
 _RESERVE_FREE_BYTES = 64 * 1024**2
@@ -59,6 +70,57 @@ def _remove_tree(folder: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+_FOLDER = re.compile(r"lms-spill-(\d+)@(.+)-[^-]+")
+
+
+def _this_host() -> str:
+    """This host's name, and the process-id namespace whose ids name the folders' processes."""
+    try:
+        space = re.sub(r"\D", "", os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        space = "0"
+    return f"{socket.gethostname()}.{space}"
+
+
+def _folder_prefix() -> str:
+    return f"lms-spill-{os.getpid()}@{_this_host()}-"
+
+
+def _runs(pid: int) -> bool:
+    if os.name != "posix":  # there a signal ends the process: never ask
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, say
+        return True
+    return True
+
+
+def remove_stale_folders(root: str) -> int:
+    """Remove the spill folders under ``root`` left by processes of this host that no longer
+    run (Note [Spill folders of processes that were killed]); returns how many."""
+    host = _this_host()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return 0
+    removed = 0
+    for name in names:
+        match = _FOLDER.fullmatch(name)
+        if match is None or match[2] != host or _runs(int(match[1])):
+            continue
+        path = os.path.join(root, name)
+        _remove_tree(path)
+        removed += not os.path.exists(path)
+    if removed:
+        log.info(
+            "[LMS] Removed %d spill folders left in %s by processes that were killed", removed, root
+        )
+    return removed
+
+
 class SpillStore:
     """Raw-byte files for offloaded storages, written and read by one background thread."""
 
@@ -74,7 +136,8 @@ class SpillStore:
     def _path(self, key: int) -> str:
         with self._lock:
             if self._folder is None:
-                self._folder = tempfile.mkdtemp(prefix="lms-spill-", dir=self.root)
+                remove_stale_folders(self.root)
+                self._folder = tempfile.mkdtemp(prefix=_folder_prefix(), dir=self.root)
                 # Runs at close(), at garbage collection or at interpreter exit, whichever is first.
                 self._finalizer = weakref.finalize(self, _remove_tree, self._folder)
             return os.path.join(self._folder, f"{key}.bin")

@@ -197,6 +197,42 @@ def test_ctrl_c_leaves_no_spill_files(tmp_path):
     assert signal.SIGINT  # the test sent a real SIGINT, handled as KeyboardInterrupt
 
 
+def test_a_killed_process_s_spill_folder_is_removed_by_the_next_store(tmp_path):
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    script = textwrap.dedent(
+        f"""
+        import os, signal, torch, lms
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+        offload = lms.LMS(tier="disk", spill_dir={str(spill)!r}, swapout_threshold=1)
+
+        def kill(module, args):
+            print("files", sum(len(f) for _, _, f in os.walk({str(spill)!r})), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # no clean-up runs
+
+        model[-1].register_forward_pre_hook(kill)
+        with offload:
+            model(torch.randn(256, 256)).sum().backward()
+        """
+    )
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert int(killed.stdout.split()[1]) > 0  # spill files were on disk when it was killed
+    (left,) = spill.iterdir()  # the killed process's folder and its files
+    # a folder of a live process (this one), of another host, and of an older release stay
+    alive = spill / f"{disk._folder_prefix()}live"
+    other = spill / "lms-spill-1@elsewhere.1-abc"
+    older = spill / "lms-spill-k2j4_x9a"
+    for folder in (alive, other, older):
+        folder.mkdir()
+    model, inputs = model_and_input()
+    offload = lms.LMS(tier="disk", spill_dir=str(spill), **ALL)
+    run_step(model, inputs, offload)
+    assert not left.exists()
+    assert all(folder.exists() for folder in (alive, other, older))
+    assert disk.remove_stale_folders(str(spill)) == 0
+
+
 def test_the_runtime_is_freed_without_the_cyclic_collector(spill_dir):
     """Note [No reference cycles through the runtime]: left to the cyclic collector, a failed
     step's handles could be released on an I/O thread while the main thread holds the lock."""

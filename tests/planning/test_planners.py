@@ -11,6 +11,7 @@ import lms
 from lms.analysis import device_spec, simulate, trace_step
 from lms.plan import Plan
 from lms.planning import plan_auto, plan_greedy, tune_tflms
+from lms.planning.common import Checker
 from tests.conftest import assert_bitwise
 
 
@@ -124,6 +125,22 @@ def test_every_plan_fits_and_plans_are_monotone_in_the_budget(planner):
             assert result.step_s <= previous.step_s * 1.0001
         previous = result
     assert previous is not None and previous.offloaded_bytes == 0
+
+
+def test_the_checker_simulates_each_plan_once():
+    # Note: [Each plan simulated once]
+    trace = trace_of(Skips)
+    spec = small_spec()
+    budget = int(simulate(trace, None, spec).peak_bytes * 0.75)
+    checker = Checker(trace, spec, budget)
+    plan = checker.plan(range(2), source="test")
+    first = checker.run(plan)
+    again = checker.run(checker.plan(range(2), source="test"))  # equal, not the same object
+    assert checker.simulations == 1 and again is first
+    fresh = simulate(trace, plan, spec)
+    assert (first.peak_bytes, first.step_s) == (fresh.peak_bytes, fresh.step_s)
+    checker.run(checker.plan(range(3), source="test"))
+    assert checker.simulations == 2
 
 
 def test_infeasible_budget_names_the_op_and_the_minimum():

@@ -13,7 +13,8 @@ resident at the peak they would cause, more offloaded tensors are recomputed whe
 predicted faster (or as fast, holding less off the device), and what that freed may stay. The
 fastest refined plan is polished: single tensors move between kept, offloaded and recomputed
 while any such move is faster. With simulations left, all of that runs again keeping each of the
-largest storages the plan moves, and then all it moves (Note [Restarts from the plan found]).
+largest storages the plan moves, each kind of storage it moves (made by the same operation), and
+then all it moves (Note [Restarts from the plan found]).
 Every step checks the candidate with the simulator, so the returned plan fits by construction.
 """
 
@@ -166,12 +167,21 @@ def plan_greedy(
     # Note: [Restarts from the plan found]
     # The search is greedy: one storage it chose to move can steer every later choice, and a plan
     # that keeps it may be much faster (a 3D U-Net at 304^3 on the H100 spec: 0.49 s a step, and
-    # 0.25 s with one storage of the 0.49 s plan kept from the start). With simulations left, the
-    # search runs again with each storage the plan moves (largest first), and then all of them,
-    # kept; the fastest plan of all stands.
+    # 0.25 s with one storage of the 0.49 s plan kept from the start). A choice made for one
+    # storage is made alike for the others of its kind, since a network repeats its layers and
+    # the ranking sees them alike: GoogLeNet at 11000 px on the V100 spec moves eight max
+    # poolings' indices, and keeping any one of them leaves the search where it was, keeping
+    # all eight takes it to a plan that recomputes more and moves less (43.1% to 40.9%). With
+    # simulations left, the search runs again keeping each of the two largest storages the
+    # plan moves, then the largest kind of them (those made by the same operation's same
+    # output), the next two storages, the other kinds, and all it moves; the fastest plan of
+    # all stands.
     pinned = checker.pinned
     moved = sorted(plan.offload, key=lambda i: -entries[i][1])
-    restarts = [{i} for i in moved[:_RESTARTS]] + ([set(moved)] if len(moved) > 1 else [])
+    single = [{i} for i in moved[:_RESTARTS]]
+    kinds = _kinds(trace, moved)
+    restarts = [*single[:2], *kinds[:1], *single[2:], *kinds[1:]]
+    restarts += [set(moved)] if len(moved) > 1 else []
     for forced in restarts:
         if spent():
             break
@@ -461,6 +471,21 @@ def _fastest_variant(
         if checker.fits(result) and result.step_s < step_s * 0.999:
             best, step_s = (result.step_s, ahead, sync_mode), result.step_s
     return best
+
+
+def _kinds(trace: Trace, moved: Sequence[int]) -> list[set[int]]:
+    """``moved`` grouped by the operation and output that made each storage, the groups of
+    more than one but not all of them, the most bytes first."""
+    entries = trace.entries()
+    groups: dict[tuple[str, int], set[int]] = {}
+    for ordinal in moved:
+        record = trace.storages[entries[ordinal][0]]
+        if record.alloc_op >= 0:
+            op = trace.ops[record.alloc_op]
+            output = op.outputs.index(record.id) if record.id in op.outputs else -1
+            groups.setdefault((op.name, output), set()).add(ordinal)
+    found = [group for group in groups.values() if 1 < len(group) < len(moved)]
+    return sorted(found, key=lambda group: -sum(entries[i][1] for i in group))
 
 
 def _distinct(*choices: set[int]) -> list[set[int]]:

@@ -12,6 +12,7 @@ from lms.analysis import device_spec, simulate, trace_step
 from lms.plan import Plan
 from lms.planning import plan_auto, plan_greedy, tune_tflms
 from lms.planning.common import Checker
+from lms.planning.greedy import _kinds
 from tests.conftest import assert_bitwise
 
 
@@ -141,6 +142,33 @@ def test_the_checker_simulates_each_plan_once():
     assert (first.peak_bytes, first.step_s) == (fresh.peak_bytes, fresh.step_s)
     checker.run(checker.plan(range(3), source="test"))
     assert checker.simulations == 2
+
+
+def test_restarts_keep_each_kind_of_storage_the_plan_moves():
+    # Note: [Restarts from the plan found]
+    def model():
+        blocks = [(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Tanh()) for _ in range(3)]
+        return nn.Sequential(*[m for block in blocks for m in block])
+
+    trace = trace_step(model, lambda: [torch.randn(2048, 256)], device="cpu")
+    entries = trace.entries()
+
+    def made_by(i):
+        alloc_op = trace.storages[entries[i][0]].alloc_op
+        return trace.ops[alloc_op].name if alloc_op >= 0 else "input"
+
+    moved = sorted(range(len(entries)), key=lambda i: -entries[i][1])
+    groups = _kinds(trace, moved)
+    # each block's linear output (saved by its batch norm) and tanh output, the batch alone
+    assert sorted(sorted(made_by(i) for i in group) for group in groups) == [
+        ["aten.addmm.default"] * 3,
+        ["aten.tanh.default"] * 3,
+    ]
+    sizes = [sum(entries[i][1] for i in group) for group in groups]
+    assert sizes == sorted(sizes, reverse=True)
+    tanh = next(group for group in groups if made_by(min(group)) == "aten.tanh.default")
+    assert _kinds(trace, sorted(tanh)) == []  # one kind alone is all the plan moves
+    assert _kinds(trace, moved[:1]) == []
 
 
 def test_infeasible_budget_names_the_op_and_the_minimum():

@@ -1,7 +1,8 @@
 """Where tuned plans are kept between runs, and when a kept plan may be used again.
 
 A plan is filed under the step's fingerprint, the device budget, and a short hash of what else
-chose it: the device (a GPU's name and memory), the lms release, half precision, the planner.
+chose it: the device (a GPU's name and memory), the lms release and the code of its planners and
+simulator (`planner_code`), half precision, the planner.
 A plan found there is used only if it still names the step's saved tensors and the simulator
 still predicts it fits the budget (Note [A cached plan is checked, not trusted]); otherwise it is
 tuned again and replaced. Plans are written whole or not at all, so a run cut short leaves no
@@ -11,6 +12,7 @@ half-written file behind.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -24,7 +26,7 @@ from lms.analysis.records import Trace
 from lms.analysis.simulate import simulate
 from lms.plan import Plan
 
-__all__ = ["ENV_VAR", "cache_folder", "cache_path", "load_cached", "save_plan"]
+__all__ = ["ENV_VAR", "cache_folder", "cache_path", "load_cached", "planner_code", "save_plan"]
 
 log = logging.getLogger("lms.tuning")
 ENV_VAR = "LMS_CACHE_DIR"
@@ -35,6 +37,22 @@ def cache_folder(cache_dir: str | None = None) -> str:
     """The plan cache: ``cache_dir``, else ``$LMS_CACHE_DIR``, else ``~/.cache/lms/plans``."""
     default = os.path.join(os.path.expanduser("~"), ".cache", "lms", "plans")
     return cache_dir or os.environ.get(ENV_VAR) or default
+
+
+@functools.cache
+def planner_code() -> str:
+    """A short hash of the sources that choose and check plans (``lms/planning``,
+    ``lms/analysis``): a plan kept by other code is tuned again, though the release is the same
+    (an editable install, a checkout moved on), and would otherwise be followed as it was."""
+    digest = hashlib.sha256()
+    root = os.path.dirname(os.path.abspath(__file__))
+    for package in ("planning", "analysis"):
+        folder = os.path.join(root, package)
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".py"):
+                with open(os.path.join(folder, name), "rb") as source:
+                    digest.update(f"{package}/{name}\0".encode() + source.read())
+    return digest.hexdigest()[:12]
 
 
 def cache_path(folder: str, trace: Trace, budget_bytes: int, setting: Sequence[object]) -> str:

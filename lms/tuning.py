@@ -19,7 +19,7 @@ from lms.analysis.devices import DEVICES, DeviceSpec
 from lms.analysis.records import Trace
 from lms.analysis.simulate import simulate
 from lms.analysis.trace import StepFn, trace_step
-from lms.cache import cache_folder, cache_path, load_cached, save_plan
+from lms.cache import cache_folder, cache_path, load_cached, planner_code, save_plan
 from lms.errors import HostMemoryError, SpillError
 from lms.plan import Plan
 
@@ -220,7 +220,7 @@ def tune_plan(
     else:
         where = spec.name
     chooser = getattr(choose, "__qualname__", type(choose).__qualname__)
-    setting = (where, lms.__version__, half, chooser, *(["free_held"] * free_held))
+    setting = (where, lms.__version__, planner_code(), half, chooser, *(["free_held"] * free_held))
     path = cache_path(cache_folder(cache_dir), trace, budget, setting)
     loaded = load_cached(path, trace, spec, budget, half=half)
     if loaded is not None:

@@ -84,6 +84,17 @@ def test_plans_for_another_budget_or_planner_are_kept_apart(tmp_path):
     assert _tune(tmp_path) == tuned  # not the other planner's
 
 
+def test_a_plan_kept_by_other_planner_code_is_tuned_again(tmp_path, caplog, monkeypatch):
+    code = cache.planner_code()
+    assert len(code) == 12 and code == cache.planner_code()
+    tuned = _tune(tmp_path)
+    monkeypatch.setattr("lms.tuning.planner_code", lambda: "other")
+    caplog.set_level("INFO", logger="lms")
+    assert _tune(tmp_path) == tuned
+    assert "Loaded the plan" not in caplog.text  # tuned, and filed apart
+    assert len(os.listdir(tmp_path)) == 2
+
+
 def test_the_cache_folder_comes_from_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(cache.ENV_VAR, str(tmp_path / "env"))
     assert cache.cache_folder() == str(tmp_path / "env")

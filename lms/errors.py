@@ -74,7 +74,8 @@ class UnplannableStepError(LMSError):
     """The traced step is not one forward and backward: it runs forward again after its
     backward finished (gradient accumulation over micro-batches, or a GAN's two models, in one
     step), where a plan names saved tensors by their order in one forward and backward; or it
-    saves tensors and runs no backward at all."""
+    saves tensors and runs no backward at all; or the model's parameters are sharded across
+    processes (DTensors: FSDP's fully_shard, tensor parallel), which fake tensors cannot trace."""
 
 
 def step_failed(error: BaseException, what: str) -> StepFailedError:

@@ -48,6 +48,28 @@ def default_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch
     return loss
 
 
+def _refuse_sharded(model: torch.nn.Module, name: str) -> None:
+    """Refuse a model whose parameters are sharded across processes: fake tensors stand in for
+    the local shards, not for the collectives that gather them.
+
+    Raises:
+        UnplannableStepError: naming the first sharded parameter.
+    """
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import DTensor
+
+    for where, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if isinstance(tensor, DTensor):
+            raise UnplannableStepError(
+                f"lms: {name}'s {where} is a {type(tensor).__name__} sharded across "
+                "processes (FSDP's fully_shard, tensor parallel), which a trace under fake "
+                "tensors cannot stand in for; run lms.LMS(budget=...) without tune (with "
+                "Lightning, LMSCallback(tune=False)): its runtime keeps the newest saved "
+                "tensors within the budget in each process"
+            )
+
+
 def _build(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
     fake_mode: FakeTensorMode,
@@ -143,6 +165,8 @@ def trace_step(
     Raises:
         StepFailedError: the step raised under fake tensors (the model's own error, such as a
             batch norm over one value, or an op whose output shape depends on the data).
+        UnplannableStepError: the step is not one forward and backward, or the model's
+            parameters are sharded across processes.
     """
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     step = step_fn or default_step
@@ -151,6 +175,7 @@ def trace_step(
     # weights) are traced as fake copies of themselves.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     built, real = _build(model, fake_mode, target)
+    _refuse_sharded(built, name)
     with fake_mode, torch.device(target), _fake_state(built, target) if real else _noop():
         leaves, structure = tree_flatten(batch() if callable(batch) else batch)
         leaves = [

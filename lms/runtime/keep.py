@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["Keep", "no_offload", "no_offload_in", "offload_blocked", "submodules"]
 
@@ -120,7 +121,7 @@ class Keep:
         """Every parameter and buffer of ``model`` stays: also those a step reads without
         calling their module (a frozen attention's out_proj.weight, read by the functional op)."""
         for tensor in [*model.parameters(), *model.buffers()]:
-            self.fixed_ptrs.add(tensor.untyped_storage().data_ptr())
+            self.fixed_ptrs.update(_storage_ptrs(tensor))
         self.models += 1
 
     def note_module(self, module: torch.nn.Module, args: object) -> None:
@@ -129,7 +130,7 @@ class Keep:
         for table in (module._parameters, module._buffers):
             for tensor in table.values():
                 if tensor is not None:
-                    self.fixed_ptrs.add(tensor.untyped_storage().data_ptr())
+                    self.fixed_ptrs.update(_storage_ptrs(tensor))
 
     def __call__(self, tensor: torch.Tensor) -> bool:
         if offload_blocked():
@@ -152,3 +153,13 @@ class Keep:
         if storage.nbytes() < self.min_bytes:
             return False
         return storage.data_ptr() not in self.fixed_ptrs
+
+
+def _storage_ptrs(tensor: torch.Tensor) -> list[int]:
+    """The addresses of the storages behind ``tensor``: its own, or for a subclass that wraps
+    others and has none of its own (FSDP's sharded parameters, DTensors), theirs."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor.untyped_storage().data_ptr()]
+    names, _ = tensor.__tensor_flatten__()
+    inner = [getattr(tensor, name) for name in names]
+    return [ptr for part in inner if isinstance(part, torch.Tensor) for ptr in _storage_ptrs(part)]

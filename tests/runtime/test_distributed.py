@@ -1,4 +1,5 @@
-"""Data parallel: each process runs its own LMS around a DistributedDataParallel step (gloo)."""
+"""Data parallel and sharded: each process runs its own LMS around a DistributedDataParallel or
+an FSDP2 (fully_shard) step (gloo)."""
 
 import os
 
@@ -6,6 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import lms
 from tests.conftest import same_bits
@@ -35,22 +39,32 @@ def _step(model, batch):
     return loss
 
 
-def _worker(rank, folder, offloaded):
+def _worker(rank, folder, offloaded, sharded):
     dist.init_process_group(
         "gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD
     )
     try:
         model = _model()
-        parallel = nn.parallel.DistributedDataParallel(model)
+        if sharded:  # FSDP2: each convolution and the classifier, then the rest, over the ranks
+            mesh = init_device_mesh("cpu", (WORLD,))
+            for layer in [*(block.conv for block in model[:4]), model[-1]]:
+                fully_shard(layer, mesh=mesh)  # called with its parameters sharded (DTensors)
+            parallel = fully_shard(model, mesh=mesh)
+        else:
+            parallel = nn.parallel.DistributedDataParallel(model)
         generator = torch.Generator().manual_seed(rank)  # each rank its own shard
         batch = [torch.randn(4, 8, 32, 32, generator=generator), torch.randint(0, 10, (4,))]
         optimizer = torch.optim.SGD(parallel.parameters(), lr=0.1)
         offload = None
+        report = {}
         if offloaded:
             spill = os.path.join(folder, f"spill{rank}")
             os.mkdir(spill)
             offload = lms.LMS(budget="2MiB", min_offload_bytes=0, spill_dir=spill)
-            offload.tune(model, batch, _step, cache_dir=os.path.join(folder, f"plans{rank}"))
+            try:
+                offload.tune(model, batch, _step, cache_dir=os.path.join(folder, f"plans{rank}"))
+            except lms.UnplannableStepError as error:
+                report["refused"] = str(error)
         for _ in range(2):
             optimizer.zero_grad()
             with (
@@ -60,7 +74,8 @@ def _worker(rank, folder, offloaded):
             ):
                 _step(parallel, batch)
             optimizer.step()
-        report = {"params": [p.detach() for p in model.parameters()]}
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+        report["params"] = [p.detach() for p in local]
         if offload is not None:
             report["plan"] = offload.plan
             report["stats"] = offload.stats
@@ -71,9 +86,9 @@ def _worker(rank, folder, offloaded):
         dist.destroy_process_group()
 
 
-def _fit(folder, offloaded):
+def _fit(folder, offloaded, sharded=False):
     os.makedirs(folder)
-    mp.spawn(_worker, args=(folder, offloaded), nprocs=WORLD)
+    mp.spawn(_worker, args=(folder, offloaded, sharded), nprocs=WORLD)
     return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(2)]
 
 
@@ -84,6 +99,19 @@ def test_data_parallel_steps_are_bitwise_and_follow_each_plan(tmp_path):
         plan, stats = report["plan"], report["stats"]
         assert plan.offload, "the budget is meant to make the plan move tensors"
         assert stats.offloaded_tensors == 2 * len(plan.offload), rank  # followed, not diverged
+        assert report["spill_files"] == []
+        for a, b in zip(plain[rank]["params"], report["params"], strict=True):
+            assert same_bits(a, b)
+
+
+def test_sharded_steps_are_bitwise_within_the_budget_and_tuning_is_refused(tmp_path):
+    plain = _fit(str(tmp_path / "plain"), offloaded=False, sharded=True)
+    ranks = _fit(str(tmp_path / "lms"), offloaded=True, sharded=True)
+    for rank, report in enumerate(ranks):
+        assert "fully_shard" in report["refused"] and report["plan"] is None
+        stats = report["stats"]
+        assert stats.offloaded_tensors > 0 and stats.peak_resident_saved_bytes <= 2 * 2**20
+        assert stats.kept_tensors > 0  # the gathered weights stay where FSDP put them
         assert report["spill_files"] == []
         for a, b in zip(plain[rank]["params"], report["params"], strict=True):
             assert same_bits(a, b)

@@ -1,0 +1,81 @@
+"""Hugging Face `transformers.Trainer` integration.
+
+``offload_trainer(trainer, budget=...)`` runs each micro-batch's forward, loss and backward
+(`Trainer.training_step`) in one `lms.LMS` block, so gradient accumulation gets one block per
+micro-batch as the runtime expects. With ``tune=True`` the first micro-batch is traced under fake
+tensors and planned before it runs, so a budget no plan fits fails before any weight changes.
+
+Nothing of `transformers` is imported here: the trainer is taken as it is, and only its
+``training_step`` is wrapped, inside a ``with`` block, so an exception mid-step leaves no hooks
+behind.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import lms
+
+__all__ = ["offload_trainer"]
+
+log = logging.getLogger("lms.integrations")
+
+
+def offload_trainer(
+    trainer: Any,
+    *,
+    budget: int | str | None = None,
+    tune: bool = True,
+    cache_dir: str | None = None,
+    **settings: Any,
+) -> lms.LMS:
+    """Offload the saved activations of every training micro-batch of ``trainer``.
+
+    Args:
+        trainer: a `transformers.Trainer` (or a subclass); its ``training_step`` is wrapped in
+            place. Wrapping one trainer twice is refused.
+        budget: device memory for each micro-batch's step (``"30GiB"``), as for `lms.LMS`.
+        tune: trace and plan the first micro-batch before it runs; set False for models that
+            fake tensors cannot trace (sharded parameters), whose runtime policy then keeps the
+            newest saved tensors within the budget.
+        cache_dir: where tuned plans are cached (default ``$LMS_CACHE_DIR``, else
+            ``~/.cache/lms/plans``).
+        **settings: any other `lms.LMS` setting (``tier``, ``min_offload_bytes``, ...).
+
+    Returns:
+        The `lms.LMS` object the steps run in: its ``stats`` and ``plan`` after training.
+
+    Raises:
+        TypeError: ``trainer`` has no ``training_step``.
+        ValueError: ``trainer`` is wrapped already, or a setting is out of range.
+    """
+    step = getattr(trainer, "training_step", None)
+    if not callable(step):
+        raise TypeError(
+            f"lms: offload_trainer takes a transformers.Trainer, not {type(trainer).__name__}"
+        )
+    if getattr(step, "__lms__", None) is not None:
+        raise ValueError("lms: this trainer's steps run under LMS already; wrap it once")
+    offload = lms.LMS(budget=budget, **settings)
+    tuned = not tune
+
+    @functools.wraps(step)
+    def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal tuned
+        if not tuned:
+            tuned = True  # the first micro-batch only; a refused budget raises before it runs
+            log.info("[LMS] Tuning the first training micro-batch before it runs")
+            offload.tune(
+                model,
+                inputs,
+                lambda traced, batch: step(traced, batch, *args, **kwargs),
+                cache_dir=cache_dir,
+            )
+        with offload:
+            return step(model, inputs, *args, **kwargs)
+
+    training_step.__lms__ = offload  # type: ignore[attr-defined]
+    trainer.training_step = training_step
+    return offload

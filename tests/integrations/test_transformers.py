@@ -1,0 +1,123 @@
+"""The transformers.Trainer integration: each micro-batch in one block, tuned before the first,
+bitwise with the plain Trainer, and a budget no plan fits refused before any weight changes."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # what Trainer needs
+
+import lms  # noqa: E402
+from lms.analysis import device_spec, trace_step  # noqa: E402
+from lms.integrations.transformers import offload_trainer  # noqa: E402
+from tests.conftest import hooks_are_gone, midway_budget, same_bits, spill_files  # noqa: E402
+
+STEPS, ACCUMULATE = 2, 2
+
+
+def _model():
+    config = transformers.AutoConfig.for_model(
+        "gpt2", vocab_size=500, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0
+    )  # with dropout
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _data():
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 500, (8, 64), generator=generator)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def _trainer(folder):
+    args = transformers.TrainingArguments(
+        output_dir=str(folder),
+        use_cpu=True,
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=ACCUMULATE,
+        learning_rate=1e-3,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    return transformers.Trainer(model=_model(), args=args, train_dataset=_data())
+
+
+def _budget():
+    batch = transformers.default_data_collator(_data()[:2])
+
+    def step(model, inputs):
+        model(**inputs).loss.backward()
+
+    return midway_budget(trace_step(_model(), batch, step, device="cpu"), device_spec("cpu"))
+
+
+def test_each_micro_batch_follows_its_tuned_plan_bitwise(tmp_path):
+    budget = _budget()  # before the trainers: Trainer seeds the generator dropout draws from
+    plain = _trainer(tmp_path / "plain")
+    plain.train()
+    trainer = _trainer(tmp_path / "lms")
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    offload = offload_trainer(
+        trainer,
+        budget=budget,
+        min_offload_bytes=0,
+        spill_dir=str(spill),
+        cache_dir=str(tmp_path / "plans"),
+    )
+    trainer.train()
+    assert offload.plan is not None and offload.plan.offload  # tuned, and it moves tensors
+    stats = offload.stats
+    assert stats.steps == STEPS * ACCUMULATE  # one block a micro-batch
+    assert stats.offloaded_tensors == stats.steps * len(offload.plan.offload)  # followed
+    for a, b in zip(plain.model.parameters(), trainer.model.parameters(), strict=True):
+        assert same_bits(a, b)
+    offload.close()
+    assert spill_files(str(spill)) == [] and hooks_are_gone()
+
+
+def test_a_budget_no_plan_fits_is_refused_before_any_weight_changes(tmp_path):
+    trainer = _trainer(tmp_path)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    offload_trainer(trainer, budget="64KiB", cache_dir=str(tmp_path / "plans"))
+    with pytest.raises(lms.PlanInfeasibleError, match="needs even with every saved tensor"):
+        trainer.train()
+    for a, b in zip(before, trainer.model.parameters(), strict=True):
+        assert same_bits(a, b)
+    assert hooks_are_gone()
+
+
+def test_a_trainer_is_wrapped_once_and_other_objects_are_refused(tmp_path):
+    trainer = _trainer(tmp_path)
+    offload_trainer(trainer, budget="1GiB")
+    with pytest.raises(ValueError, match="wrap it once"):
+        offload_trainer(trainer, budget="1GiB")
+    with pytest.raises(TypeError, match="transformers.Trainer"):
+        offload_trainer(object(), budget="1GiB")
+
+
+def test_an_exception_mid_step_leaves_no_hooks_or_spill_files(tmp_path):
+    trainer = _trainer(tmp_path)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    offload_trainer(
+        trainer, budget=_budget(), min_offload_bytes=0, spill_dir=str(spill), tune=False
+    )
+    compute_loss = trainer.compute_loss
+    calls = []
+
+    def failing(*args, **kwargs):  # the second micro-batch fails after its forward
+        loss = compute_loss(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("failed mid-step")
+        return loss
+
+    trainer.compute_loss = failing
+    with pytest.raises(RuntimeError, match="failed mid-step"):
+        trainer.train()
+    assert spill_files(str(spill)) == [] and hooks_are_gone()

@@ -129,7 +129,11 @@ class Keep:
         # Runs before every module call: the tables directly, not parameters()'s generators.
         for table in (module._parameters, module._buffers):
             for tensor in table.values():
-                if tensor is not None:
+                if tensor is None:
+                    continue
+                if type(tensor) in _PLAIN:
+                    self.fixed_ptrs.add(tensor.untyped_storage().data_ptr())
+                else:
                     self.fixed_ptrs.update(_storage_ptrs(tensor))
 
     def __call__(self, tensor: torch.Tensor) -> bool:
@@ -153,6 +157,10 @@ class Keep:
         if storage.nbytes() < self.min_bytes:
             return False
         return storage.data_ptr() not in self.fixed_ptrs
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Types whose storage is their own (most parameters and buffers): no subclass to look into."""
 
 
 def _storage_ptrs(tensor: torch.Tensor) -> list[int]:

@@ -15,6 +15,7 @@ from lms.plan import Plan
 from lms.planning import plan_greedy
 from lms.planning.common import Checker
 from lms.planning.greedy import _chains, _polish
+from lms.runtime.recompute import checksum
 from tests.conftest import assert_bitwise, run_step
 from tests.planning.test_planners import small_spec
 
@@ -397,3 +398,22 @@ def test_polishing_leaves_no_single_move_that_is_faster():
     for other in _single_moves(checker, plan):
         moved = checker.run(other)
         assert not checker.fits(moved) or moved.step_s >= result.step_s * 0.999
+
+
+@pytest.mark.parametrize("nbytes", [0, 5, 8, 4099, 1 << 24])
+def test_checksum_sums_the_words_in_place_and_tells_copies_apart(nbytes):
+    # Note [Check the first replays]: summing widened words first made a widened copy, twice
+    # the storage (19 GiB for ResNet50's stem output at 12650 px), when memory is tightest.
+    torch.manual_seed(0)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    cpu = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
+        total = checksum(data.untyped_storage(), data.device)
+    assert max((e.cpu_memory_usage for e in prof.events()), default=0) <= 1024
+    words = nbytes // 8
+    expected = sum(data[: words * 8].view(torch.int64).tolist()) + sum(data[words * 8 :].tolist())
+    assert int(total) == (expected + 2**63) % 2**64 - 2**63  # wrapping, as int64 sums do
+    if nbytes:
+        changed = data.clone()
+        changed[nbytes // 2] ^= 1
+        assert not torch.equal(checksum(changed.untyped_storage(), data.device), total)

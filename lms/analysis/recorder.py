@@ -165,7 +165,11 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        if func is _CUDNN_RNN and args[3] is None:
+            args = (*args[:3], _weight_buffer(args[1]), *args[4:])
+        out = _cudnn_rnn_grads(*args, **kwargs) if func is _CUDNN_RNN_BACKWARD else None
+        if out is None:
+            out = func(*args, **kwargs)
         taken = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         returned = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         given = {id(t) for t in taken}
@@ -382,6 +386,52 @@ def _workspace(func: Any, args: Any, kwargs: Any, out: Any) -> tuple[torch.Tenso
     layers = 1 if "mkldnn" in str(func) else int(named.get("num_layers", 1))
     gates = _GATES.get(int(named.get("mode", 2)), 4)
     return out[position], _BYTES_PER_GATE * gates * out[0].numel() * layers
+
+
+_CUDNN_RNN = torch.ops.aten._cudnn_rnn.default
+_CUDNN_RNN_BACKWARD = torch.ops.aten._cudnn_rnn_backward.default
+
+
+def _cudnn_rnn_grads(*args: Any, **kwargs: Any) -> tuple[Any, ...] | None:
+    """cuDNN's RNN backward under fake tensors, which PyTorch gives no fake kernel: gradients of
+    the input, the first hidden and cell states and the weights, each shaped as what it is the
+    gradient of, where ``output_mask`` asks for it. None where the arguments are not fake."""
+    named = dict(zip((a.name for a in _CUDNN_RNN_BACKWARD._schema.arguments), args, strict=False))
+    named |= kwargs
+    if not isinstance(named["input"], FakeTensor):
+        return None
+    wanted = list(named["output_mask"])
+
+    def like(tensor: torch.Tensor | None, want: bool) -> torch.Tensor | None:
+        return torch.empty_like(tensor) if want and tensor is not None else None
+
+    weights = [torch.empty_like(w) for w in named["weight"]] if wanted[3] else []
+    grads = [
+        like(named[name], want) for name, want in zip(("input", "hx", "cx"), wanted, strict=False)
+    ]
+    return (*grads, weights)
+
+
+def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
+    """The weight buffer cuDNN's RNN call takes, which the fake call cannot find: a flat view of
+    the storage the weights lie in one after another (after ``flatten_parameters``; Note [Fake
+    weights share their buffer]), else a new buffer, as the real call makes and copies them into.
+
+    The real call finds the buffer by comparing the weights' addresses, which fake tensors do not
+    have, and without one the fake call gives backward none, which fails."""
+    first = weights[0]
+    storage, start = first.untyped_storage(), first.storage_offset()
+    end = start
+    for weight in weights:
+        if (
+            weight.untyped_storage()._cdata != storage._cdata
+            or weight.storage_offset() != end
+            or not weight.is_contiguous()
+        ):
+            total = sum(w.numel() for w in weights)
+            return torch.empty(total, dtype=first.dtype, device=first.device)
+        end += weight.numel()
+    return first.as_strided((end - start,), (1,), start)
 
 
 # Note: [Convolution scratch on the CPU]

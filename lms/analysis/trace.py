@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import itertools
 import logging
 import sys
 import types
@@ -109,21 +110,68 @@ def _build(
     return built, real
 
 
+# Note: [Fake weights share their buffer]
+# A recurrent module on a GPU keeps its weights in one buffer (`flatten_parameters`), and cuDNN's
+# RNN call takes that buffer whole and saves it for backward: a parameter, which stays. Faked one
+# by one, the weights would lie apart, cuDNN's fake call would get no buffer (its backward then
+# fails for want of one), and the trace would lose the sharing. So tensors of the model that share
+# a storage get fake views of one fake storage of its size, at their own offsets; the trace then
+# hands cuDNN's call the buffer the real one finds (`lms.analysis.recorder`).
+def _shared_storages(model: torch.nn.Module) -> dict[tuple[str, int], list[Any]]:
+    """The storages (by device and address) that two or more of the model's tensors view; each
+    with a slot for its fake copy."""
+    seen: dict[tuple[str, int], int] = {}
+    for value in itertools.chain(model.parameters(), model.buffers()):
+        key = _storage_key(value)
+        if key is not None:
+            seen[key] = seen.get(key, 0) + 1
+    return {key: [] for key, count in seen.items() if count > 1}
+
+
+def _storage_key(value: torch.Tensor) -> tuple[str, int] | None:
+    if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.device.type == "meta":
+        return None
+    pointer = value.untyped_storage().data_ptr()
+    return (str(value.device), pointer) if pointer else None
+
+
+def _fake_like(
+    value: torch.Tensor, device: torch.device, shared: dict[tuple[str, int], list[Any]]
+) -> torch.Tensor:
+    """A fake tensor of ``value``'s shape, strides and dtype on ``device``: a view of the fake
+    copy of its storage where the model's tensors share it."""
+    key = _storage_key(value)
+    nbytes = value.untyped_storage().nbytes()
+    if key not in shared or nbytes % value.element_size():
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+    slot = shared[key]
+    if not slot:
+        slot.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
+    words = slot[0].view(value.dtype)
+    return words.as_strided(value.shape, value.stride(), value.storage_offset()).detach()
+
+
 @contextlib.contextmanager
 def _fake_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
-    """Swap the model's parameters and buffers for fake ones on ``device``; restore on exit."""
+    """Swap the model's parameters and buffers for fake ones on ``device``; restore on exit.
+
+    A tensor that two modules hold (tied weights) gets one fake, and tensors that share a
+    storage get fake ones that share one too (Note [Fake weights share their buffer])."""
     saved: list[tuple[dict[str, Any], str, Any]] = []
+    shared = _shared_storages(model)
+    fakes: dict[int, Any] = {}
     try:
         for module in model.modules():
             for table in (module._parameters, module._buffers):
                 for name, value in table.items():
                     if value is None:
                         continue
-                    fake: Any = torch.empty_strided(
-                        value.shape, value.stride(), dtype=value.dtype, device=device
-                    )
-                    if isinstance(value, torch.nn.Parameter):
-                        fake = torch.nn.Parameter(fake, requires_grad=value.requires_grad)
+                    fake: Any = fakes.get(id(value))
+                    if fake is None:
+                        fake = _fake_like(value, device, shared)
+                        if isinstance(value, torch.nn.Parameter):
+                            fake = torch.nn.Parameter(fake, requires_grad=value.requires_grad)
+                        fakes[id(value)] = fake
                     saved.append((table, name, value))
                     table[name] = fake
         yield

@@ -1,6 +1,7 @@
 """The fake-tensor trace: peaks against torch's MemTracker, events against the runtime."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -148,6 +149,73 @@ def test_fused_lstm_workspace_keeps_its_place_among_saved_tensors(tmp_path, capl
     assert "saves tensors other than" not in caplog.text
     assert moved.stats.offloaded_tensors == 2 * len(plan.offload)
     moved.close()
+
+
+class CudnnLSTM(torch.nn.Module):
+    """One LSTM layer run by cuDNN's RNN call, which a GPU's ``nn.LSTM`` makes: its weights in
+    one buffer (as ``flatten_parameters`` lays them) or, with ``flat=False``, apart."""
+
+    def __init__(self, flat=True):
+        super().__init__()
+        lstm = torch.nn.LSTM(32, 64)
+        weights = [getattr(lstm, name) for name in lstm._flat_weights_names]
+        buffer = torch.cat([w.detach().flatten() for w in weights])
+        ends = list(itertools.accumulate(w.numel() for w in weights))
+        self.weights = torch.nn.ParameterList(
+            torch.nn.Parameter(buffer[a:b].view_as(w) if flat else w.detach().clone())
+            for w, a, b in zip(weights, [0, *ends[:-1]], ends, strict=True)
+        )
+
+    def forward(self, x):
+        h = x.new_zeros(1, x.shape[1], 64)
+        weights = list(self.weights)
+        out = torch.ops.aten._cudnn_rnn(
+            x, weights, 4, None, h, h, 2, 64, 0, 1, False, 0.0, True, False, [], None
+        )
+        return out[0]
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_cudnn_rnn_is_traced_with_the_weight_buffer_it_finds(flat):
+    # Note [Fake weights share their buffer]: the fake call finds no buffer by address, and
+    # backward then failed for want of one ("Expected a proper Tensor but got None for argument
+    # #3 'weight_buf'"); it has no fake kernel either.
+    model = CudnnLSTM(flat)
+    weight_bytes = sum(w.nbytes for w in model.weights)
+    trace = trace_step(
+        model,
+        [torch.randn(50, 4, 32)],
+        lambda m, batch: m(*batch).square().mean().backward(),
+        device="cpu",
+        min_offload_bytes=0,
+    )
+    assert trace.param_bytes == trace.gradient_bytes == weight_bytes
+    saved = [size for _, size, _ in trace.entries()]
+    # Laid out as one buffer, cuDNN saves that buffer: the parameters, which stay. Apart, it
+    # copies them into a buffer of its own and saves that.
+    assert (weight_bytes in saved) is not flat
+    assert all(isinstance(w, torch.nn.Parameter) for w in model.weights)  # put back
+
+
+def test_tied_and_sharing_parameters_are_traced_as_the_storage_they_share():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(64, 64, bias=False)
+            self.b = torch.nn.Linear(64, 64, bias=False)
+            self.b.weight = self.a.weight  # one parameter, two modules
+            halves = torch.zeros(200)
+            self.p = torch.nn.Parameter(halves[:100])  # two parameters, one storage
+            self.q = torch.nn.Parameter(halves[100:])
+
+        def forward(self, x):
+            return self.b(self.a(x)).sum() + (self.p * self.q).sum()
+
+    model = Tied()
+    trace = trace_step(model, [torch.randn(8, 64)], lambda m, b: m(*b).backward(), device="cpu")
+    assert trace.param_bytes == 64 * 64 * 4 + 200 * 4
+    assert trace.gradient_bytes == 64 * 64 * 4 + 200 * 4  # one gradient for the tied weight
+    assert model.b.weight is model.a.weight
 
 
 def test_trace_records_ops_flops_and_modules():

@@ -54,6 +54,11 @@ class Plan:
     """The simulator's step-time overhead over no offload."""
     source: str = "runtime-policy"
     """What made it: "runtime-policy", "tflms", "planner"."""
+    use_order: tuple[int, ...] = ()
+    """Ordinals in the order backward first read them in the traced step (`Trace.use_order`):
+    the order the runtime prefetches in before a step of its own has shown it; empty for the
+    order of an earlier step, else newest first (Note [The first step prefetches in the traced
+    order])."""
 
     def __post_init__(self) -> None:
         bad = [i for i in self.offload if not 0 <= i < self.num_entries]
@@ -92,6 +97,13 @@ class Plan:
                 "only offloaded tensors can be read back per use"
             )
 
+        if len(set(self.use_order)) != len(self.use_order) or any(
+            not 0 <= i < self.num_entries for i in self.use_order
+        ):
+            raise ValueError(
+                f"lms: Plan.use_order must name distinct ordinals in 0..{self.num_entries - 1}"
+            )
+
         loose_held = sorted(
             set(self.free_held) - set(self.offload) | set(self.free_held) & set(self.refetch)
         )
@@ -126,6 +138,7 @@ class Plan:
         data["stash_partials"] = tuple(data.get("stash_partials", ()))
         data["free_held"] = tuple(data.get("free_held", ()))
         data["free_held_at"] = tuple(data.get("free_held_at", ()))
+        data["use_order"] = tuple(data.get("use_order", ()))
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> None:

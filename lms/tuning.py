@@ -233,6 +233,8 @@ def tune_plan(
             )
         options = {"free_held": True} if free_held else {}
         plan = choose(trace, spec, budget, half=half, **options)
+        # Note [The first step prefetches in the traced order]
+        plan = dataclasses.replace(plan, use_order=trace.use_order)
     # A cached plan too: the host budget and the spill disk's free space may differ now.
     check_offload_room(
         trace,

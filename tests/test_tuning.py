@@ -1,5 +1,5 @@
 """The local device's spec, measured once a process for each GPU and TF32 setting; tuning a
-Hugging Face transformers model."""
+Hugging Face transformers model; the tuned plan's order of backward's reads."""
 
 import contextlib
 import types
@@ -89,4 +89,35 @@ def test_transformers_model_follows_its_tuned_plan_bitwise(model_type, attention
             assert_bitwise(ref, run(offload))
     assert "saves tensors other than" not in caplog.text
     assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
+    offload.close()
+
+
+def test_the_first_step_prefetches_in_the_order_the_trace_read(spill_dir):
+    # Note [The first step prefetches in the traced order]: with no earlier step to go by, the
+    # runtime read newest first, where the simulator prefetches in the trace's order.
+    import torchvision
+
+    import lms
+    from lms.analysis import device_spec, simulate, trace_step
+    from tests.conftest import run_step
+
+    torch.manual_seed(0)
+    model, x = torchvision.models.resnet18(num_classes=10), torch.randn(1, 3, 256, 256)
+
+    def step(m, batch):
+        m(*batch).float().square().mean().backward()
+
+    trace = trace_step(model, [x], step, device="cpu", min_offload_bytes=0)
+    with pytest.raises(lms.PlanInfeasibleError) as info:
+        lms.LMS(budget=1, min_offload_bytes=0).tune(model, [x], step)
+    budget = info.value.min_budget_bytes + simulate(trace, None, device_spec("cpu")).peak_bytes
+    offload = lms.LMS(budget=budget // 2, tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+    plan = offload.tune(model, [x], step)
+    assert plan.offload and plan.use_order == trace.use_order
+    order = list(plan.use_order)
+    assert order != sorted(order, reverse=True)  # a residual block's reads are not newest first
+    run_step(model, (x,), offload)
+    first = offload._step
+    assert [entry.ordinal for entry in first.use_queue][: len(order)] == order
+    assert first.to_record().use_order == order  # as the step itself read them
     offload.close()

@@ -97,6 +97,10 @@ class Clock:
             if len(use_ops.get(self.storage_of[i], ())) > 1
         }
         self.reload_start: dict[int, list[float]] = {i: [] for i in self.later_uses}
+        self.reloaded_early: set[tuple[int, int]] = set()
+        """(entry, op) of later uses whose read back a replay made (Note [A replay reads back
+        what it needs])."""
+        self.at_op = 0  # the op the pass is at
         self.recompute = set(plan.recompute) if plan is not None else set()
         self.chosen: dict[int, Recipe] = recipes(trace) if self.recompute else {}
         self.relieved = relieved_junctions(trace, plan)
@@ -157,10 +161,13 @@ class Clock:
             for k, arrive_op in enumerate(junction.arrive_ops[: junction.taken]):
                 self.takes_at.setdefault(arrive_op, []).append((ordinal, k))
         self.joins_at = _by_op([(j.join_op, ordinal) for ordinal, j in self.relieved.items()])
-        # Prefetch triggers: the use of the offloaded entry `ahead` places earlier in use order.
-        used = sorted(
-            (first_use[storage_of[i]], i) for i in self.offload if storage_of[i] in first_use
-        )
+        # Prefetch triggers: the use of the offloaded entry `ahead` places earlier in use order,
+        # the order of the trace's reads (as the runtime's queue: `Plan.use_order`).
+        used = [
+            (first_use[storage_of[i]], i)
+            for i in self.trace.use_order
+            if i in self.offload and storage_of[i] in first_use
+        ]
         first_backward_use = min(first_use.values(), default=self.trace.backward_start_op)
         issue_op: dict[int, int] = {}
         for rank, (use_op, ordinal) in enumerate(used):
@@ -200,7 +207,7 @@ class Clock:
         waiting = 0  # the first op not run yet
         for index in sorted(i for i in busy if 0 <= i <= num_ops):
             self._run_ops(waiting, index)  # up to this op; its copies and replays start first
-            waiting = index
+            waiting = self.at_op = index
             if index < self.trace.backward_start_op:
                 kept += kept_at.get(index, 0)
             for ordinal in self.saves_at.get(index, ()):
@@ -215,7 +222,8 @@ class Clock:
             for ordinal in self.needs_at.get(index, ()):
                 self._arrive(ordinal)
             for ordinal in self.reloads_at.get(index, ()):
-                self._reload(ordinal)
+                if (ordinal, index) not in self.reloaded_early:
+                    self._reload(ordinal)
             for ordinal in self.joins_at.get(index, ()):
                 self._join(ordinal)
         self._run_ops(waiting, num_ops + 1)
@@ -309,12 +317,34 @@ class Clock:
             elif source in self.offload:
                 if source not in self.in_done:
                     self._load(source)
-                self._arrive(source)
+                if not self._read_back_for_replay(source):
+                    self._arrive(source)
         self.recompute_start[ordinal] = self.now
         cost = sum(self.seconds[k] for k in self.chosen[ordinal].all_ops)
         self.recompute_s += cost
         self.now += cost
         self.recompute_end[ordinal] = self.now
+
+    # Note: [A replay reads back what it needs]
+    # A replay that reads an offloaded entry read back per use, after backward's first use has
+    # let that entry's copy go, has it read back again then, and the runtime holds that copy
+    # for the entry's next read (`Replays`: sources are fetched with hold): the entry is on the
+    # device from the replay to its next use, not only from just before that use. The read
+    # back made here serves that use, which then reads nothing. Where no use is left to serve,
+    # the read is counted in time alone.
+    def _read_back_for_replay(self, source: int) -> bool:
+        """Read ``source`` back now for a replay if its copy was let go (Note [A replay reads
+        back what it needs]); False where its copy is on the device or on its way."""
+        uses = self.later_uses.get(source)
+        if uses is None or self.first_use[self.storage_of[source]] >= self.at_op:
+            return False
+        following = [op for op in uses if op >= self.at_op]
+        if not following:
+            self._block(self.entries[source][1] / self.h2d_bw)
+        elif (source, following[0]) not in self.reloaded_early:  # else held since a replay
+            self.reloaded_early.add((source, following[0]))
+            self._reload(source)
+        return True
 
     def _reload(self, ordinal: int) -> None:
         """Read ``ordinal`` back again for a later use, on demand."""

@@ -227,6 +227,18 @@ class Trace:
         ordinal = {storage: i for i, (storage, _, _) in enumerate(self.entries())}
         return {ordinal[j.storage]: j for j in self.junctions if j.storage in ordinal}
 
+    @functools.cached_property
+    def use_order(self) -> tuple[int, ...]:
+        """Ordinals of `entries` in the order backward first reads them, as its saved-tensor
+        events came (several read by one op, in the order that op read them); those backward
+        never reads left out. The runtime prefetches in this order (`Plan.use_order`)."""
+        first: dict[int, int] = {}
+        for event in self.events:
+            if event.kind == "use":
+                first.setdefault(event.storage, event.level)
+        ordinals = [i for i, (storage, _, _) in enumerate(self._entries) if storage in first]
+        return tuple(sorted(ordinals, key=lambda i: first[self._entries[i][0]]))
+
     def first_use_op(self) -> dict[int, int]:
         """For each saved storage, the op index of its first read in backward."""
         return {storage: ops[0] for storage, ops in self._uses.items()}

@@ -130,7 +130,7 @@ class LMS:
             previous = self._step
             if previous is not None and self._record is None and previous.entries:
                 self._record = previous.to_record()
-            self._step = Step(self.stats.steps + 1, self._record)
+            self._step = Step(self.stats.steps + 1, self._record, self.plan)
             self.stats.steps += 1
             self._step.light = self._follow.runs_light()
             leave_modules()

@@ -8,14 +8,18 @@ event has completed (Note: [Allocate reloads on the compute stream]).
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
 
+from lms._units import format_bytes
+
 __all__ = ["HostPool", "available_host_bytes", "bucket_bytes"]
 
 _STEP = 2 * 1024**2
+log = logging.getLogger("lms.runtime")
 
 
 def available_host_bytes() -> int:
@@ -28,6 +32,10 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _empty(nbytes: int, pin: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
 def bucket_bytes(nbytes: int) -> int:
@@ -58,12 +66,39 @@ class HostPool:
                 self._trim(self.allocated_bytes + size - self.limit_bytes)
             if self.allocated_bytes + size > self.limit_bytes:
                 return None
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            buf = self._allocate(size)
+            if buf is None:
+                return None
             self.allocated_bytes += size
             self.allocations += 1
         self.in_use_bytes += size
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         return buf
+
+    # Note: [Pinning can fail below the budget]
+    # Page-locked memory is not all the host's memory: a machine (a virtual one especially) may
+    # refuse to pin more well before the host budget, with a CUDA error rather than PyTorch's
+    # out-of-memory. The pool then holds at what it has: the limit drops to what is pinned, so
+    # the store sends what does not fit to disk (tier "auto") or raises `HostMemoryError`
+    # (tier "host"), as for a full budget, rather than failing the step.
+    def _allocate(self, size: int) -> torch.Tensor | None:
+        """A new buffer of ``size`` bytes; None where pinning it failed (Note [Pinning can fail
+        below the budget])."""
+        try:
+            return _empty(size, self.pin)
+        except RuntimeError as error:
+            if not self.pin or "out of memory" not in str(error).lower():
+                raise
+        log.warning(
+            "[LMS] pinning %s more host memory failed with %s pinned (host budget %s); "
+            "offloaded data beyond that goes to disk, or raises HostMemoryError with "
+            "tier='host'",
+            format_bytes(size),
+            format_bytes(self.allocated_bytes),
+            format_bytes(self.limit_bytes),
+        )
+        self.limit_bytes = self.allocated_bytes
+        return None
 
     def release(self, buf: torch.Tensor, event: Any = None) -> None:
         """Give ``buf`` back; with ``event``, it is reused only after the event completed."""

@@ -135,6 +135,46 @@ def test_host_overflow_goes_to_disk_with_auto_tier(spill_dir):
     assert 0 < offload.stats.spilled_bytes < offload.stats.offloaded_bytes
 
 
+@pytest.mark.parametrize("tier", ["auto-host", "host"])
+def test_pinning_that_fails_below_the_host_budget_is_a_full_budget(
+    spill_dir, monkeypatch, caplog, tier
+):
+    # Note [Pinning can fail below the budget]: a CUDA error from pinning, which ended a step
+    # on an H100 whose host had room left in its budget, sends the data to disk or is typed.
+    from lms.runtime import pool, store
+
+    pinned = []
+
+    def pin_up_to_64kib(nbytes, pin):
+        assert pin
+        if sum(pinned) + nbytes > 64 * 1024:
+            raise RuntimeError("CUDA error: out of memory")
+        pinned.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    class Pinning(pool.HostPool):  # a CUDA device's pool, on the CPU
+        def __init__(self, limit_bytes, *, pin):
+            super().__init__(limit_bytes, pin=True)
+
+    monkeypatch.setattr(pool, "_empty", pin_up_to_64kib)
+    monkeypatch.setattr(store, "HostPool", Pinning)
+    model, inputs = model_and_input()
+    ref = run_step(model, inputs)
+    offload = lms.LMS(tier="host", host_budget="1GiB", spill_dir=spill_dir, **ALL)
+    offload._offloader.tier = tier  # "auto-host": a CUDA-like auto tier, host then disk
+    with caplog.at_level("WARNING", logger="lms"):
+        if tier == "host":
+            with pytest.raises(lms.HostMemoryError):
+                run_step(model, inputs, offload)
+        else:
+            assert_bitwise(ref, run_step(model, inputs, offload))
+            assert 0 < offload.stats.spilled_bytes < offload.stats.offloaded_bytes
+    assert "pinning" in caplog.text and 0 < sum(pinned) <= 64 * 1024
+    assert offload._offloader._pool.limit_bytes == sum(pinned)  # tried once, not per tensor
+    offload.close()
+    assert hooks_are_gone() and not spill_files(spill_dir)
+
+
 def test_exception_mid_step_discards_everything(spill_dir):
     model, inputs = model_and_input()
     offload = lms.LMS(tier="disk", spill_dir=spill_dir, **ALL)

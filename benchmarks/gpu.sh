@@ -29,14 +29,16 @@ sweep() {  # name, model, sizes, seconds, extra args (a run is stopped after hal
     --json "$out/bench_$1.json" --plot "$out/bench_$1.png" "${@:5}" || echo "bench $1 stopped"
 }
 
-train_32gb() {  # name, size, extra args: two steps of `lms train` on the card capped at 32 GiB
+train_32gb() {  # name, size, extra args: two steps of `lms train` on the card capped at 32 GiB,
+  # with the allocator's history of the steps (a failed one too) for pytorch.org/memory_viz
   $PY -c "
 import sys, torch
 from lms.cli import main
 torch.cuda.set_per_process_memory_fraction(32 * 2**30 / torch.cuda.get_device_properties(0).total_memory)
 sys.exit(main(sys.argv[1:]))
 " train --model resnet50 --image-size "$2" --steps 2 --budget 32GiB --host-budget 110GiB \
-    --json "$out/train_$1.json" "${@:3}" > "$out/train_$1.log" 2>&1 || echo "train $1 stopped"
+    --json "$out/train_$1.json" --memory-snapshot "$out/train_$1.pickle" "${@:3}" \
+    > "$out/train_$1.log" 2>&1 || echo "train $1 stopped"
 }
 
 for part in $parts; do

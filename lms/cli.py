@@ -159,6 +159,7 @@ def _train(args: argparse.Namespace) -> int:
             data=data,
             keep_in=args.no_offload_in,
             free_held=args.free_held,
+            memory_snapshot=args.memory_snapshot,
         )
     except PlanInfeasibleError as error:
         print(error, file=sys.stderr)
@@ -247,6 +248,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", default=None, help="folder of images (one subfolder a class)")
     train.add_argument("--json")
     train.add_argument("--free-held", action="store_true", help=_FREE_HELD_HELP)
+    train.add_argument(
+        "--memory-snapshot",
+        metavar="PATH",
+        help="write the CUDA allocator's history of the steps here, also when a step fails "
+        "(open it at pytorch.org/memory_viz)",
+    )
     train.set_defaults(run=_train)
 
     bench = commands.add_parser("bench", help="measure LMS beside the peers over sizes")

@@ -31,6 +31,8 @@ __all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks"]
 
 log = logging.getLogger("lms.train")
 METHODS = ("none", "lms", "save_on_cpu", "checkpoint")
+_SNAPSHOT_ENTRIES = 200_000
+"""Allocator events a memory snapshot keeps: a ResNet50 step makes about 5000."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,19 @@ def checkpoint_blocks(model: torch.nn.Module) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
+def _allocator_history(path: str) -> Iterator[None]:
+    """Record the CUDA allocator's history while the block runs; write it to ``path`` when the
+    block ends, as it ends (a step out of memory included)."""
+    torch.cuda.memory._record_memory_history(max_entries=_SNAPSHOT_ENTRIES)
+    try:
+        yield
+    finally:
+        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        log.info("[LMS] the CUDA allocator's history of the steps is in %s", path)
+
+
+@contextlib.contextmanager
 def _nothing() -> Iterator[None]:
     yield
 
@@ -103,16 +118,19 @@ def train(
     progress: bool = True,
     keep_in: Sequence[str] = (),
     free_held: bool = False,
+    memory_snapshot: str | None = None,
 ) -> TrainResult:
     """Train ``steps`` steps of a zoo model and measure them. With method "lms", tensors saved
     inside the submodules named in ``keep_in`` ("layer4") stay on the device (`no_offload_in`);
-    ``free_held`` is `lms.LMSConfig.free_held`.
+    ``free_held`` is `lms.LMSConfig.free_held`. ``memory_snapshot``: a file for the CUDA
+    allocator's history of the steps, written when they end or fail (pytorch.org/memory_viz
+    opens it, as it opens the simulator's `lms.export_memory_viz`).
 
     Raises:
         PlanInfeasibleError: with method "lms", before training, when the budget cannot fit.
         ValueError: an unknown method, fewer than one step, a size below 1, a batch below the
-            model's smallest, or a name in ``keep_in`` that is not one of the model's
-            submodules.
+            model's smallest, a name in ``keep_in`` that is not one of the model's
+            submodules, or a memory snapshot asked of a device other than CUDA.
         StepFailedError: the model's step raised, traced or in its first real step (ResNet50
             at 32 px and batch 1, say: its last batch norm then sees one value per channel).
     """
@@ -123,6 +141,11 @@ def train(
     entry.check_batch(batch_size)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = target.type == "cuda"
+    if memory_snapshot is not None and not cuda:
+        raise ValueError(
+            f"lms: memory_snapshot={memory_snapshot!r} records the CUDA allocator; "
+            f"this run trains on {target}"
+        )
     torch.manual_seed(0)
     model = entry.build().to(target)
     kept = no_offload_in(*submodules(model, keep_in)) if method == "lms" else None
@@ -160,34 +183,36 @@ def train(
     resident: list[int] = []
     loss = torch.zeros(())
     label = f"{model_name} {size} {method}"
-    for _ in tqdm(range(steps), desc=label, unit="step", disable=not progress):
-        optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(target)
-            torch.cuda.reset_peak_memory_stats(target)
-        with PeakMemory() as memory:
-            start = time.perf_counter()
-            amp_context = torch.autocast(target.type, dtype=autocast) if autocast else _nothing()
-            try:
-                with context(), amp_context:
-                    loss = step_fn(model, batch)
-            except LMSError:
-                raise
-            except Exception as error:
-                if times:  # a later step: not a question of the input
-                    raise
-                what = f"{model_name}'s first step at size {size}, batch {len(batch[0])},"
-                raise step_failed(error, what) from error
-            optimizer.step()
+    recording = _allocator_history(memory_snapshot) if memory_snapshot else _nothing()
+    with recording:
+        for _ in tqdm(range(steps), desc=label, unit="step", disable=not progress):
+            optimizer.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize(target)
-            times.append(time.perf_counter() - start)
-        peaks.append(
-            torch.cuda.max_memory_allocated(target)
-            if cuda
-            else (start_bytes or 0) + memory.growth_bytes
-        )
-        resident.append(memory.rss_growth_bytes)
+                torch.cuda.reset_peak_memory_stats(target)
+            with PeakMemory() as memory:
+                start = time.perf_counter()
+                mixed = torch.autocast(target.type, dtype=autocast) if autocast else _nothing()
+                try:
+                    with context(), mixed:
+                        loss = step_fn(model, batch)
+                except LMSError:
+                    raise
+                except Exception as error:
+                    if times:  # a later step: not a question of the input
+                        raise
+                    what = f"{model_name}'s first step at size {size}, batch {len(batch[0])},"
+                    raise step_failed(error, what) from error
+                optimizer.step()
+                if cuda:
+                    torch.cuda.synchronize(target)
+                times.append(time.perf_counter() - start)
+            peaks.append(
+                torch.cuda.max_memory_allocated(target)
+                if cuda
+                else (start_bytes or 0) + memory.growth_bytes
+            )
+            resident.append(memory.rss_growth_bytes)
     steady = times[1:] or times
     step_s = sum(steady) / len(steady)
     result = TrainResult(

@@ -377,3 +377,11 @@ def test_bench_removes_the_spill_folder_of_a_run_that_was_killed(tmp_path, monke
     assert not result["ok"]
     assert len(seen) == 1 and len(seen[0]) == 1  # the killed run's folder, then removed
     assert list(tmp_path.glob("lms-spill-*")) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="trains on the GPU there (tests/gpu)")
+def test_a_memory_snapshot_of_a_cpu_run_is_refused_before_training(tmp_path, capsys):
+    path = tmp_path / "steps.pickle"
+    argv = ["-q", "train", "--model", "resnet50", "--image-size", "64", "--batch-size", "2"]
+    assert main([*argv, "--steps", "1", "--memory-snapshot", str(path)]) == 2
+    assert "memory_snapshot" in capsys.readouterr().err and not path.exists()

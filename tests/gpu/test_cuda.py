@@ -339,3 +339,19 @@ def test_free_held_is_bitwise_on_cuda_and_leaves_the_batch_whole(
         assert same_bits(x, before)
     assert offload.stats.emptied_bytes > 0
     offload.close()
+
+
+def test_train_writes_the_allocator_history_of_its_steps_also_when_one_fails(tmp_path):
+    import pickle
+
+    from lms.errors import StepFailedError
+    from lms.train import train
+
+    ran, failed = tmp_path / "ran.pickle", tmp_path / "failed.pickle"
+    train("resnet50", size=64, batch_size=2, steps=2, method="none", memory_snapshot=str(ran))
+    with open(ran, "rb") as snapshot:
+        events = pickle.load(snapshot)["device_traces"][0]
+    assert sum(event["action"] == "alloc" for event in events) > 100
+    with pytest.raises(StepFailedError):  # one value per channel in the last batch norm
+        train("resnet50", size=32, steps=1, method="none", memory_snapshot=str(failed))
+    assert failed.stat().st_size > 0

@@ -36,6 +36,9 @@ def test_local_spec_measures_each_gpu_once_per_tf32_setting(monkeypatch):
     again = tuning.local_device_spec(torch.device("cuda", 0))
     assert first == again and calls == {"link": 1, "compute": 1}
     assert first.d2h_gbps == 51.0 and first.peak_flops == 70e12 + 1
+    # Note [The allocator's slack]: the table's workspace margin and the allocator's idle blocks
+    h100 = tuning.DEVICES["h100-80gb"]
+    assert first.workspace_bytes == h100.workspace_bytes + tuning.ALLOCATOR_SLACK_BYTES
     tuning.local_device_spec(torch.device("cuda", 1))  # another GPU
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # other convolution rates
     tuning.local_device_spec(torch.device("cuda", 0))

@@ -6,8 +6,8 @@
 #
 #   benchmarks/gpu.sh                 # everything
 #   benchmarks/gpu.sh link resnet50   # some parts: link resnet50 resnet50_amp unet3d deeplabv3 analyze
-#                                     # resnet50_10x resnet50_9x (not in "everything": about
-#                                     # 8 minutes each)
+#                                     # resnet50_4x resnet50_10x resnet50_9x (not in
+#                                     # "everything": 3, 8 and 8 minutes)
 #   SIZES=4000,8000 benchmarks/gpu.sh resnet50   # other sizes for the sweeps named
 #
 # Results go to $LMS_RESULTS (default benchmarks/results/gpu-<card>/). Each sweep stops starting
@@ -54,6 +54,9 @@ print(info); json.dump(info, open('$out/link.json', 'w'), indent=2)
     # Each run costs about 25 s beyond its steps (a fresh process, the trace, the tuning), so
     # each sweep starts next to the largest size without offload measured on an H100 at 32 GiB.
     resnet50) sweep resnet50 resnet50 4000,4500,8000,10000 240 ;;
+    # The seed's slowdown at 4x: no offload at 4000 px (the largest that fits 32 GiB) against
+    # LMS at 4000 and 8000 px, in one JSON (about 3 minutes).
+    resnet50_4x) sweep resnet50_4x resnet50 4000,8000 240 --methods none,lms ;;
     resnet50_amp) sweep resnet50_amp resnet50 6000,6500,8000 150 --amp ;;
     unet3d) sweep unet3d unet3d 240,256,288 150 ;;
     deeplabv3) sweep deeplabv3 deeplabv3 1100,1400,2000 120 --batch-size 2 ;;

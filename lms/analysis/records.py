@@ -228,14 +228,21 @@ class Trace:
         return {ordinal[j.storage]: j for j in self.junctions if j.storage in ordinal}
 
     @functools.cached_property
-    def use_order(self) -> tuple[int, ...]:
-        """Ordinals of `entries` in the order backward first reads them, as its saved-tensor
-        events came (several read by one op, in the order that op read them); those backward
-        never reads left out. The runtime prefetches in this order (`Plan.use_order`)."""
+    def first_use_levels(self) -> dict[int, int]:
+        """The level of each saved storage's first read in backward, by storage; do not mutate
+        it."""
         first: dict[int, int] = {}
         for event in self.events:
             if event.kind == "use":
                 first.setdefault(event.storage, event.level)
+        return first
+
+    @functools.cached_property
+    def use_order(self) -> tuple[int, ...]:
+        """Ordinals of `entries` in the order backward first reads them, as its saved-tensor
+        events came (several read by one op, in the order that op read them); those backward
+        never reads left out. The runtime prefetches in this order (`Plan.use_order`)."""
+        first = self.first_use_levels
         ordinals = [i for i, (storage, _, _) in enumerate(self._entries) if storage in first]
         return tuple(sorted(ordinals, key=lambda i: first[self._entries[i][0]]))
 

@@ -357,7 +357,7 @@ class _Residency:
         is done, before backward reads it and before the code lets go of it; None when that
         never comes (Note [Emptying what the code holds])."""
         clock = self.clock
-        event_ops, first_use_level = clock.trace.event_ops, _first_use_levels(clock.trace)
+        event_ops, first_use_level = clock.trace.event_ops, clock.trace.first_use_levels
         after_copy = bisect.bisect_left(clock.start, clock.out_done[ordinal])
         event = max(clock.free_held[ordinal] - 1, bisect.bisect_left(event_ops, after_copy))
         if event >= min(len(event_ops), first_use_level.get(record.id, len(event_ops) + 1) - 1):
@@ -424,17 +424,6 @@ def _storage_columns(trace: Trace) -> _StorageColumns:
                 len(records),
             ),
         )
-    return found  # type: ignore[no-any-return]
-
-
-def _first_use_levels(trace: Trace) -> dict[int, int]:
-    """The level of each saved storage's first read in backward (Note [A trace derives once])."""
-    found = trace.memo.get("first_use_levels")
-    if found is None:
-        found = trace.memo["first_use_levels"] = {}
-        for event in trace.events:
-            if event.kind == "use":
-                found.setdefault(event.storage, event.level)
     return found  # type: ignore[no-any-return]
 
 

@@ -6,6 +6,7 @@ needs 90 GiB on a GPU traces in seconds on a small CPU machine.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -117,15 +118,13 @@ def _build(
 # fails for want of one), and the trace would lose the sharing. So tensors of the model that share
 # a storage get fake views of one fake storage of its size, at their own offsets; the trace then
 # hands cuDNN's call the buffer the real one finds (`lms.analysis.recorder`).
-def _shared_storages(model: torch.nn.Module) -> dict[tuple[str, int], list[Any]]:
-    """The storages (by device and address) that two or more of the model's tensors view; each
-    with a slot for its fake copy."""
-    seen: dict[tuple[str, int], int] = {}
-    for value in itertools.chain(model.parameters(), model.buffers()):
-        key = _storage_key(value)
-        if key is not None:
-            seen[key] = seen.get(key, 0) + 1
-    return {key: [] for key, count in seen.items() if count > 1}
+def _shared_storages(model: torch.nn.Module) -> dict[tuple[str, int], torch.Tensor | None]:
+    """The storages (by device and address) that two or more of the model's tensors view, each
+    with its fake copy once made (None until then)."""
+    seen = collections.Counter(
+        _storage_key(value) for value in itertools.chain(model.parameters(), model.buffers())
+    )
+    return {key: None for key, count in seen.items() if key is not None and count > 1}
 
 
 def _storage_key(value: torch.Tensor) -> tuple[str, int] | None:
@@ -136,7 +135,7 @@ def _storage_key(value: torch.Tensor) -> tuple[str, int] | None:
 
 
 def _fake_like(
-    value: torch.Tensor, device: torch.device, shared: dict[tuple[str, int], list[Any]]
+    value: torch.Tensor, device: torch.device, shared: dict[tuple[str, int], torch.Tensor | None]
 ) -> torch.Tensor:
     """A fake tensor of ``value``'s shape, strides and dtype on ``device``: a view of the fake
     copy of its storage where the model's tensors share it."""
@@ -144,10 +143,10 @@ def _fake_like(
     nbytes = value.untyped_storage().nbytes()
     if key not in shared or nbytes % value.element_size():
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
-    slot = shared[key]
-    if not slot:
-        slot.append(torch.empty(nbytes, dtype=torch.uint8, device=device))
-    words = slot[0].view(value.dtype)
+    storage = shared[key]
+    if storage is None:
+        storage = shared[key] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    words = storage.view(value.dtype)
     return words.as_strided(value.shape, value.stride(), value.storage_offset()).detach()
 
 

@@ -3,13 +3,15 @@
 Buffers are sized in buckets (powers of two up to 2 MiB, then multiples of 2 MiB) so that
 activations of one shape share buffers step after step; no pinned allocation is made per tensor
 once the pool is warm. A buffer handed back with a pending CUDA event is reused only after the
-event has completed (Note: [Allocate reloads on the compute stream]).
+event has completed (Note: [Allocate reloads on the compute stream]). Pinned buffers pin exactly
+their bucket, and dropping one unpins it (Note: [Pinned to the byte]).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -38,6 +40,27 @@ def _empty(nbytes: int, pin: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
+def _pin_host(nbytes: int) -> torch.Tensor | None:
+    from lms.runtime._cuda import pin_host
+
+    return pin_host(nbytes)
+
+
+def _unpin(buf: torch.Tensor) -> None:
+    from lms.runtime._cuda import unpin_host
+
+    unpin_host(buf)
+
+
+def _unpin_all(registered: dict[int, torch.Tensor]) -> None:
+    """Unpin what a pool registered and still holds, when the pool goes (in use or idle)."""
+    if registered and torch.cuda.is_initialized():
+        torch.cuda.synchronize()  # no copy may still be reading or writing them
+    for buf in registered.values():
+        _unpin(buf)
+    registered.clear()
+
+
 def bucket_bytes(nbytes: int) -> int:
     """The pool bucket a request of ``nbytes`` is served from."""
     if nbytes <= _STEP:
@@ -56,6 +79,10 @@ class HostPool:
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
         self.allocations = 0
+        # Buffers pinned by registration, by address: held until unpinned (Note [Pinned to
+        # the byte]), and unpinned when the pool goes, should any be left.
+        self._registered: dict[int, torch.Tensor] = {}
+        weakref.finalize(self, _unpin_all, self._registered)
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
         """A uint8 buffer of at least ``nbytes``, or None when the limit leaves no room."""
@@ -84,11 +111,18 @@ class HostPool:
     def _allocate(self, size: int) -> torch.Tensor | None:
         """A new buffer of ``size`` bytes; None where pinning it failed (Note [Pinning can fail
         below the budget])."""
+        # Note [Pinned to the byte]: up to 2 MiB, PyTorch's power of two is the bucket itself
+        registers = self.pin and size > _STEP
         try:
-            return _empty(size, self.pin)
+            buf = _pin_host(size) if registers else _empty(size, self.pin)
         except RuntimeError as error:
             if not self.pin or "out of memory" not in str(error).lower():
                 raise
+            buf = None
+        if buf is not None:
+            if registers:
+                self._registered[buf.data_ptr()] = buf
+            return buf
         log.warning(
             "[LMS] pinning %s more host memory failed with %s pinned (host budget %s); "
             "offloaded data beyond that goes to disk, or raises HostMemoryError with "
@@ -122,7 +156,7 @@ class HostPool:
             keep = []
             for buf, event in bucket:
                 if need > 0 and (event is None or event.query()):
-                    self.allocated_bytes -= size
+                    self._drop(buf)
                     need -= size
                 else:
                     keep.append((buf, event))
@@ -136,5 +170,16 @@ class HostPool:
             for buf, event in bucket:
                 if event is not None:
                     event.synchronize()
-                self.allocated_bytes -= buf.numel()
+                self._drop(buf)
         self._free.clear()
+
+    def _drop(self, buf: torch.Tensor) -> None:
+        """Let go of an idle buffer whose copies have all completed, unpinning it."""
+        self.allocated_bytes -= buf.numel()
+        if self._registered.pop(buf.data_ptr(), None) is not None:
+            _unpin(buf)
+
+    @property
+    def registered_bytes(self) -> int:
+        """Bytes this pool has page-locked by registration and not yet unlocked."""
+        return sum(buf.numel() for buf in self._registered.values())

@@ -59,6 +59,25 @@ def test_stream_race_stress_low_arithmetic_density():
     assert offload.stats.prefetched_bytes > 0
 
 
+def test_host_buffers_pin_their_bucket_and_are_unpinned_on_close():
+    """Note [Pinned to the byte]: 6 MiB activations pin 6 MiB each, not PyTorch's 8."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh())
+    model = model.cuda()
+    inputs = (torch.randn(1536, 1024, device="cuda"),)
+    ref = run_step(model, inputs)
+    offload = lms.LMS(tier="host", swapout_threshold=1)
+    for _ in range(2):
+        assert_bitwise(ref, run_step(model, inputs, offload))
+    pooled = offload._offloader.pool
+    held = list(pooled._registered.values())
+    assert held and all(buf.is_pinned() and buf.numel() == 6 * 1024**2 for buf in held)
+    assert pooled.registered_bytes == pooled.allocated_bytes
+    offload.close()
+    assert pooled.registered_bytes == 0
+    assert not any(buf.is_pinned() for buf in held)  # unlocked, still ours while referenced
+
+
 def test_max_memory_allocated_is_reduced():
     torch.manual_seed(0)
     layers = []

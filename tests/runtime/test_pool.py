@@ -1,0 +1,109 @@
+"""The host pool pins what it counts, no more, and unpins what it drops (Note [Pinned to the
+byte]); a CUDA device's pool is played on the CPU with page-locking recorded instead of done."""
+
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+import lms
+from lms.runtime import pool, store
+from tests.conftest import assert_bitwise, hooks_are_gone, run_step
+
+MiB = 1024**2
+
+
+@pytest.fixture
+def locked(monkeypatch):
+    """Addresses page-locked by registration, with their sizes, while a test runs."""
+    held: dict[int, int] = {}
+
+    def pin_host(nbytes):
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        assert buf.data_ptr() not in held
+        held[buf.data_ptr()] = nbytes
+        return buf
+
+    def unpin(buf):
+        assert held.pop(buf.data_ptr()) == buf.numel()
+
+    monkeypatch.setattr(pool, "_pin_host", pin_host)
+    monkeypatch.setattr(pool, "_unpin", unpin)
+    yield held
+
+
+def test_a_pinned_pool_locks_exactly_its_buckets_and_unlocks_what_it_trims(locked):
+    # 5 MiB + 1 byte sits in a 6 MiB bucket; PyTorch's pinned allocator would pin 8 MiB for it,
+    # and keep pinned each buffer trimmed to make room for another size.
+    host = pool.HostPool(20 * MiB, pin=True)
+    sizes = [5 * MiB + 1, 3 * MiB, 9 * MiB, 5 * MiB + 1, 17 * MiB, 2 * MiB + 7, 11 * MiB]
+    for nbytes in sizes:
+        buf = host.acquire(nbytes)
+        assert buf is not None and buf.numel() == pool.bucket_bytes(nbytes) >= nbytes
+        assert sum(locked.values()) == host.allocated_bytes == host.registered_bytes
+        assert host.allocated_bytes <= host.limit_bytes
+        host.release(buf)
+    assert sorted(locked.values()) != sorted(pool.bucket_bytes(n) for n in sizes)  # trimmed some
+    host.clear()
+    assert locked == {} and host.allocated_bytes == 0
+
+
+def test_buffers_up_to_2_mib_come_from_pytorch_and_are_not_registered(locked, monkeypatch):
+    made = []
+    monkeypatch.setattr(pool, "_empty", lambda n, pin: made.append((n, pin)) or torch.empty(n))
+    host = pool.HostPool(64 * MiB, pin=True)
+    host.release(host.acquire(2 * MiB))
+    host.release(host.acquire(1000))
+    assert made == [(2 * MiB, True), (1024, True)] and locked == {}
+    assert host.registered_bytes == 0
+    host.clear()
+
+
+def test_a_pool_that_goes_unpins_the_buffers_it_lent(locked):
+    host = pool.HostPool(64 * MiB, pin=True)
+    lent = host.acquire(4 * MiB)
+    host.release(host.acquire(8 * MiB))
+    assert len(locked) == 2
+    del host
+    gc.collect()
+    assert locked == {}
+    lent.fill_(1)  # unlocked, and still the lender's memory while referenced
+
+
+def test_a_refused_registration_is_a_full_budget(locked, monkeypatch):
+    # Note [Pinning can fail below the budget], for a buffer above 2 MiB: the runtime's call
+    # returns None where CUDA answers cudaErrorMemoryAllocation.
+    pin_host = pool._pin_host
+    monkeypatch.setattr(pool, "_pin_host", lambda n: pin_host(n) if not locked else None)
+    host = pool.HostPool(64 * MiB, pin=True)
+    first = host.acquire(4 * MiB)
+    assert first is not None and host.acquire(4 * MiB) is None
+    assert host.limit_bytes == 4 * MiB and len(locked) == 1
+    host.release(first)
+    assert host.acquire(4 * MiB) is first  # the one pinned is reused
+    host.clear()
+
+
+def test_a_step_on_a_pinned_pool_leaves_nothing_pinned(locked, monkeypatch, spill_dir):
+    class Pinning(pool.HostPool):  # a CUDA device's pool, on the CPU
+        def __init__(self, limit_bytes, *, pin):
+            super().__init__(limit_bytes, pin=True)
+
+    monkeypatch.setattr(store, "HostPool", Pinning)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh())
+    inputs = (torch.randn(1536, 1024),)  # 6 MiB activations
+    ref = run_step(model, inputs)
+    offload = lms.LMS(tier="host", spill_dir=spill_dir, swapout_threshold=1)
+    offload._offloader.tier = "auto-host"  # a CUDA-like auto tier, host then disk
+    peak = []
+    for _ in range(2):
+        assert_bitwise(ref, run_step(model, inputs, offload))
+        peak.append(sum(locked.values()))
+    pooled = offload._offloader._pool
+    assert peak[0] == peak[1] == pooled.allocated_bytes  # reused, not pinned again
+    assert pooled.allocated_bytes >= pooled.peak_in_use_bytes >= 2 * 6 * MiB
+    assert pooled.allocations == len(locked)
+    offload.close()
+    assert locked == {} and hooks_are_gone()

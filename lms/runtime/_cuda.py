@@ -61,9 +61,20 @@ def unpin_host(buf: torch.Tensor) -> None:
 def _forget_error() -> None:
     """Reset the runtime's last error, which PyTorch's next kernel launch would raise as its
     own (PyTorch resets it when its own calls fail; these calls are not its own)."""
-    reset = getattr(ctypes.CDLL(None), "cudaGetLastError", None)
-    if reset is not None:
-        reset()
+    for library in (None, *_loaded("libcudart")):
+        reset = getattr(ctypes.CDLL(library), "cudaGetLastError", None)
+        if reset is not None:
+            reset()
+            return
+
+
+def _loaded(name: str) -> list[str]:
+    """Paths of the shared libraries named ``name`` that this process has loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return sorted({line.split()[-1] for line in maps if f"/{name}" in line})
+    except OSError:
+        return []
 
 
 class CopyEngine:

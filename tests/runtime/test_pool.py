@@ -107,3 +107,30 @@ def test_a_step_on_a_pinned_pool_leaves_nothing_pinned(locked, monkeypatch, spil
     assert pooled.allocations == len(locked)
     offload.close()
     assert locked == {} and hooks_are_gone()
+
+
+@pytest.mark.parametrize("code", [0, 2, 1])  # success, cudaErrorMemoryAllocation, another
+def test_pin_host_locks_whole_pages_and_answers_a_refusal(monkeypatch, code):
+    from lms.runtime import _cuda
+
+    calls, resets = [], []
+
+    class Runtime:  # torch.cuda.cudart(), answering `code`
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            calls.append((ptr, nbytes, flags))
+            return code
+
+    monkeypatch.setattr(torch.cuda, "cudart", Runtime)
+    monkeypatch.setattr(_cuda, "_forget_error", lambda: resets.append(code))
+    nbytes = 6 * MiB
+    if code == 1:
+        with pytest.raises(torch.cuda.CudaError):
+            _cuda.pin_host(nbytes)
+    else:
+        buf = _cuda.pin_host(nbytes)
+        assert (buf is None) == (code != 0)
+        if buf is not None:
+            assert (buf.data_ptr(), buf.numel()) == calls[0][:2]
+    ptr, size, flags = calls[0]
+    assert ptr % 4096 == 0 and size == nbytes and flags == 0
+    assert resets == ([] if code == 0 else [code])  # the next kernel launch must not see it

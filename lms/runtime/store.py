@@ -408,6 +408,8 @@ class Offloader:
             self._fill_quietly(entry)
         if entry.host_buf is not None:
             event = entry.in_event if entry.pending_out is None else entry.pending_out
+            if isinstance(entry.loading, tuple):  # a copy in, queued and never waited for
+                event = entry.loading[1]
             self.host_bytes -= entry.host_buf.numel()
             if self._pool is not None:
                 self._pool.release(entry.host_buf, event)

@@ -78,6 +78,25 @@ def test_host_buffers_pin_their_bucket_and_are_unpinned_on_close():
     assert not any(buf.is_pinned() for buf in held)  # unlocked, still ours while referenced
 
 
+def test_a_host_buffer_released_with_its_copy_in_queued_waits_for_that_copy():
+    """A prefetched storage that backward never reads: its buffer goes back to the pool with
+    the copy in's event (Note [Allocate reloads on the compute stream]), not as free at once,
+    so neither reuse nor unpinning races the copy."""
+    from lms.runtime.store import Entry, Offloader
+
+    offloader = Offloader(tier="host", host_limit_bytes=1024**3, spill_dir=None, sync_out=True)
+    x = torch.randn(1536, 1024, device="cuda")
+    entry = Entry(0, 0, x.untyped_storage(), x.device)
+    offloader.offload(entry)
+    assert offloader.prefetch(entry)
+    _, queued = entry.loading
+    offloader.release(entry)
+    [(_, event)] = offloader.pool._free[6 * 1024**2]
+    assert event is queued
+    offloader.close()
+    assert offloader.pool.registered_bytes == 0
+
+
 def test_max_memory_allocated_is_reduced():
     torch.manual_seed(0)
     layers = []

@@ -5,9 +5,9 @@
 # (priced at the rates the card is measured to reach).
 #
 #   benchmarks/gpu.sh                 # everything
-#   benchmarks/gpu.sh link resnet50   # some parts: link resnet50 resnet50_amp unet3d deeplabv3 analyze
-#                                     # resnet50_4x resnet50_10x resnet50_9x (not in
-#                                     # "everything": 3, 8 and 8 minutes)
+#   benchmarks/gpu.sh link resnet50   # some parts: link pinning resnet50 resnet50_amp unet3d
+#                                     # deeplabv3 analyze resnet50_4x resnet50_10x resnet50_9x
+#                                     # (the last three not in "everything": 3, 8 and 8 minutes)
 #   SIZES=4000,8000 benchmarks/gpu.sh resnet50   # other sizes for the sweeps named
 #
 # Results go to $LMS_RESULTS (default benchmarks/results/gpu-<card>/). Each sweep stops starting
@@ -21,7 +21,7 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 card=$($PY -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-'))")
 out=${LMS_RESULTS:-benchmarks/results/gpu-$card}
 mkdir -p "$out"
-parts=${*:-link resnet50 resnet50_amp unet3d deeplabv3 analyze}
+parts=${*:-link pinning resnet50 resnet50_amp unet3d deeplabv3 analyze}
 
 sweep() {  # name, model, sizes, seconds, extra args (a run is stopped after half the seconds)
   $PY -m lms -q bench --model "$2" --sizes "${SIZES:-$3}" --budget 32GiB --steps 3 \
@@ -51,6 +51,8 @@ info = {'gpu': torch.cuda.get_device_name(0), 'torch': torch.__version__,
         'd2h_gbps': d2h, 'h2d_gbps': h2d}
 print(info); json.dump(info, open('$out/link.json', 'w'), indent=2)
 " ;;
+    # PyTorch's pinned buffers against the pool's, at ResNet50's sizes at 12650 px (under a minute)
+    pinning) $PY benchmarks/pinning.py --json "$out/pinning.json" ;;
     # Each run costs about 25 s beyond its steps (a fresh process, the trace, the tuning), so
     # each sweep starts next to the largest size without offload measured on an H100 at 32 GiB.
     resnet50) sweep resnet50 resnet50 4000,4500,8000,10000 240 ;;

@@ -20,7 +20,9 @@ Note: [Pinned to the byte]
     above 2 MiB are therefore plain host memory of exactly their size, page-locked with
     ``cudaHostRegister`` when made and unlocked with ``cudaHostUnregister`` when the pool drops
     them, after their last copy has completed. Smaller ones come from PyTorch's allocator, whose
-    power of two is their size already.
+    power of two is their size already. Registering a buffer first faults its pages in, one
+    thread for all of them; PyTorch's intra-op threads fault them in first (zeroing them), so
+    that registering only locks them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def pin_host(nbytes: int) -> torch.Tensor | None:
     raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _PAGE
     buf = raw[start : start + nbytes]  # whole pages, shared with no other registration
+    buf.zero_()  # its pages faulted in on every intra-op thread
     code = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
     if code == 0:
         return buf

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from lms._units import format_bytes
+from lms.runtime._cuda import pin_host, unpin_host
 
 __all__ = ["HostPool", "available_host_bytes", "bucket_bytes"]
 
@@ -40,24 +41,12 @@ def _empty(nbytes: int, pin: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
-def _pin_host(nbytes: int) -> torch.Tensor | None:
-    from lms.runtime._cuda import pin_host
-
-    return pin_host(nbytes)
-
-
-def _unpin(buf: torch.Tensor) -> None:
-    from lms.runtime._cuda import unpin_host
-
-    unpin_host(buf)
-
-
 def _unpin_all(registered: dict[int, torch.Tensor]) -> None:
     """Unpin what a pool registered and still holds, when the pool goes (in use or idle)."""
     if registered and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # no copy may still be reading or writing them
     for buf in registered.values():
-        _unpin(buf)
+        unpin_host(buf)
     registered.clear()
 
 
@@ -114,7 +103,7 @@ class HostPool:
         # Note [Pinned to the byte]: up to 2 MiB, PyTorch's power of two is the bucket itself
         registers = self.pin and size > _STEP
         try:
-            buf = _pin_host(size) if registers else _empty(size, self.pin)
+            buf = pin_host(size) if registers else _empty(size, self.pin)
         except RuntimeError as error:
             if not self.pin or "out of memory" not in str(error).lower():
                 raise
@@ -177,7 +166,7 @@ class HostPool:
         """Let go of an idle buffer whose copies have all completed, unpinning it."""
         self.allocated_bytes -= buf.numel()
         if self._registered.pop(buf.data_ptr(), None) is not None:
-            _unpin(buf)
+            unpin_host(buf)
 
     @property
     def registered_bytes(self) -> int:

@@ -28,8 +28,8 @@ def locked(monkeypatch):
     def unpin(buf):
         assert held.pop(buf.data_ptr()) == buf.numel()
 
-    monkeypatch.setattr(pool, "_pin_host", pin_host)
-    monkeypatch.setattr(pool, "_unpin", unpin)
+    monkeypatch.setattr(pool, "pin_host", pin_host)
+    monkeypatch.setattr(pool, "unpin_host", unpin)
     yield held
 
 
@@ -74,8 +74,8 @@ def test_a_pool_that_goes_unpins_the_buffers_it_lent(locked):
 def test_a_refused_registration_is_a_full_budget(locked, monkeypatch):
     # Note [Pinning can fail below the budget], for a buffer above 2 MiB: the runtime's call
     # returns None where CUDA answers cudaErrorMemoryAllocation.
-    pin_host = pool._pin_host
-    monkeypatch.setattr(pool, "_pin_host", lambda n: pin_host(n) if not locked else None)
+    pin_host = pool.pin_host
+    monkeypatch.setattr(pool, "pin_host", lambda n: pin_host(n) if not locked else None)
     host = pool.HostPool(64 * MiB, pin=True)
     first = host.acquire(4 * MiB)
     assert first is not None and host.acquire(4 * MiB) is None

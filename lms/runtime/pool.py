@@ -22,6 +22,7 @@ from lms.runtime._cuda import pin_host, unpin_host
 __all__ = ["HostPool", "available_host_bytes", "bucket_bytes"]
 
 _STEP = 2 * 1024**2
+_HOST_RESERVE = 2 * 1024**3  # left available beside a new pinned buffer (Note [Pinning can...])
 log = logging.getLogger("lms.runtime")
 
 
@@ -94,20 +95,18 @@ class HostPool:
     # Note: [Pinning can fail below the budget]
     # Page-locked memory is not all the host's memory: a machine (a virtual one especially) may
     # refuse to pin more well before the host budget, with a CUDA error rather than PyTorch's
-    # out-of-memory. The pool then holds at what it has: the limit drops to what is pinned, so
-    # the store sends what does not fit to disk (tier "auto") or raises `HostMemoryError`
-    # (tier "host"), as for a full budget, rather than failing the step.
+    # out-of-memory. Nor is the budget a promise that the host has the memory now: a buffer is
+    # pinned only while the host would still have 2 GiB available beside it, since faulting its
+    # pages in past that wakes the kernel's out-of-memory killer, which ends the process with
+    # no error to catch. Either way the pool holds at what it has: the limit drops to what is
+    # pinned, so the store sends what does not fit to disk (tier "auto") or raises
+    # `HostMemoryError` (tier "host"), as for a full budget, rather than failing the step.
     def _allocate(self, size: int) -> torch.Tensor | None:
         """A new buffer of ``size`` bytes; None where pinning it failed (Note [Pinning can fail
         below the budget])."""
         # Note [Pinned to the byte]: up to 2 MiB, PyTorch's power of two is the bucket itself
         registers = self.pin and size > _STEP
-        try:
-            buf = pin_host(size) if registers else _empty(size, self.pin)
-        except RuntimeError as error:
-            if not self.pin or "out of memory" not in str(error).lower():
-                raise
-            buf = None
+        buf = self._make(size, registers=registers)
         if buf is not None:
             if registers:
                 self._registered[buf.data_ptr()] = buf
@@ -121,6 +120,16 @@ class HostPool:
             format_bytes(self.limit_bytes),
         )
         self.limit_bytes = self.allocated_bytes
+        return None
+
+    def _make(self, size: int, *, registers: bool) -> torch.Tensor | None:
+        if registers and size + _HOST_RESERVE > available_host_bytes():
+            return None
+        try:
+            return pin_host(size) if registers else _empty(size, self.pin)
+        except RuntimeError as error:
+            if not self.pin or "out of memory" not in str(error).lower():
+                raise
         return None
 
     def release(self, buf: torch.Tensor, event: Any = None) -> None:

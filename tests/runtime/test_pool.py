@@ -85,6 +85,20 @@ def test_a_refused_registration_is_a_full_budget(locked, monkeypatch):
     host.clear()
 
 
+def test_a_buffer_the_host_could_not_hold_beside_2_gib_is_not_pinned(locked, monkeypatch):
+    # Note [Pinning can fail below the budget]: faulting its pages in would wake the kernel's
+    # out-of-memory killer, so it is refused as CUDA would refuse it, within the host budget.
+    available = [64 * 1024 * MiB]
+    monkeypatch.setattr(pool, "available_host_bytes", lambda: available[0])
+    host = pool.HostPool(64 * 1024 * MiB, pin=True)
+    first = host.acquire(8 * MiB)
+    available[0] = 2048 * MiB + 7 * MiB  # less than a second 8 MiB buffer and the reserve
+    assert first is not None and host.acquire(8 * MiB) is None
+    assert host.limit_bytes == 8 * MiB and len(locked) == 1
+    host.release(first)
+    host.clear()
+
+
 def test_a_step_on_a_pinned_pool_leaves_nothing_pinned(locked, monkeypatch, spill_dir):
     class Pinning(pool.HostPool):  # a CUDA device's pool, on the CPU
         def __init__(self, limit_bytes, *, pin):

@@ -21,11 +21,11 @@ import torch
 from lms.runtime import _cuda
 
 
-def _torch_pinned_bytes() -> int:
+def _torch_pinned_bytes() -> int | None:
     """Bytes PyTorch's pinned allocator holds, rounded blocks cached or in use (its statistic's
-    name differs between versions)."""
+    name differs between versions); None where this PyTorch reports neither."""
     stats = torch.cuda.host_memory_stats()
-    return stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0))
+    return stats.get("reserved_bytes.current", stats.get("allocated_bytes.current"))
 
 
 def _timed(make):
@@ -58,7 +58,8 @@ def measure(nbytes: int) -> dict:
     row: dict = {"bytes": nbytes}
     before = _torch_pinned_bytes()
     buf, seconds = _timed(lambda: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
-    reserved = _torch_pinned_bytes() - before
+    after = _torch_pinned_bytes()
+    reserved = None if before is None or after is None else after - before
     row["torch"] = {"s": seconds, "pinned_bytes": reserved, "d2h_gbps": _d2h_gbps(buf, src)}
     del buf
     getattr(torch._C, "_host_emptyCache", lambda: None)()  # PyTorch's cache lets it go
@@ -69,6 +70,10 @@ def measure(nbytes: int) -> dict:
         _cuda.unpin_host(buf)
         del buf
     return row
+
+
+def _gib(nbytes: int | None) -> str:
+    return "? GiB" if nbytes is None else f"{nbytes / 1024**3:.2f} GiB"
 
 
 def main() -> None:
@@ -90,8 +95,8 @@ def main() -> None:
         print(
             f"{row['bytes'] / 1024**3:.2f} GiB: "
             + ", ".join(
-                f"{name} {row[name]['s']:.2f} s, {row[name]['pinned_bytes'] / 1024**3:.2f} GiB "
-                f"pinned, {row[name]['d2h_gbps']:.1f} GB/s in"
+                f"{name} {row[name]['s']:.2f} s, {_gib(row[name]['pinned_bytes'])} pinned, "
+                f"{row[name]['d2h_gbps']:.1f} GB/s in"
                 for name in ("torch", "lms", "register_untouched")
             )
         )

@@ -73,6 +73,7 @@ class HostPool:
         # the byte]), and unpinned when the pool goes, should any be left.
         self._registered: dict[int, torch.Tensor] = {}
         weakref.finalize(self, _unpin_all, self._registered)
+        self._registers = pin  # until this host refuses registration itself
 
     def acquire(self, nbytes: int) -> torch.Tensor | None:
         """A uint8 buffer of at least ``nbytes``, or None when the limit leaves no room."""
@@ -104,12 +105,8 @@ class HostPool:
     def _allocate(self, size: int) -> torch.Tensor | None:
         """A new buffer of ``size`` bytes; None where pinning it failed (Note [Pinning can fail
         below the budget])."""
-        # Note [Pinned to the byte]: up to 2 MiB, PyTorch's power of two is the bucket itself
-        registers = self.pin and size > _STEP
-        buf = self._make(size, registers=registers)
+        buf = self._make(size)
         if buf is not None:
-            if registers:
-                self._registered[buf.data_ptr()] = buf
             return buf
         log.warning(
             "[LMS] pinning %s more host memory failed with %s pinned (host budget %s); "
@@ -122,11 +119,26 @@ class HostPool:
         self.limit_bytes = self.allocated_bytes
         return None
 
-    def _make(self, size: int, *, registers: bool) -> torch.Tensor | None:
-        if registers and size + _HOST_RESERVE > available_host_bytes():
-            return None
+    def _make(self, size: int) -> torch.Tensor | None:
+        # Note [Pinned to the byte]: up to 2 MiB, PyTorch's power of two is the bucket itself
+        if self._registers and size > _STEP:
+            if size + _HOST_RESERVE > available_host_bytes():
+                return None
+            try:
+                buf = pin_host(size)
+            except torch.cuda.CudaError as error:  # not for this host: PyTorch's way it is
+                log.warning(
+                    "[LMS] page-locking host memory in place failed (%s); pinning through "
+                    "PyTorch's allocator instead, which rounds each buffer up to a power of two",
+                    error,
+                )
+                self._registers = False
+                return self._make(size)
+            if buf is not None:
+                self._registered[buf.data_ptr()] = buf
+            return buf
         try:
-            return pin_host(size) if registers else _empty(size, self.pin)
+            return _empty(size, self.pin)
         except RuntimeError as error:
             if not self.pin or "out of memory" not in str(error).lower():
                 raise

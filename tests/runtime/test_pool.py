@@ -85,6 +85,24 @@ def test_a_refused_registration_is_a_full_budget(locked, monkeypatch):
     host.clear()
 
 
+def test_a_host_that_cannot_register_pins_through_pytorch(locked, monkeypatch, caplog):
+    def unsupported(nbytes):
+        raise torch.cuda.CudaError(801)  # cudaErrorNotSupported
+
+    made = []
+    monkeypatch.setattr(pool, "pin_host", unsupported)
+    monkeypatch.setattr(pool, "_empty", lambda n, pin: made.append((n, pin)) or torch.empty(n))
+    host = pool.HostPool(64 * MiB, pin=True)
+    with caplog.at_level("WARNING", logger="lms"):
+        bufs = [host.acquire(6 * MiB), host.acquire(10 * MiB)]
+    assert all(buf is not None for buf in bufs) and made == [(6 * MiB, True), (10 * MiB, True)]
+    assert caplog.text.count("page-locking host memory in place failed") == 1  # tried once
+    assert host.registered_bytes == 0
+    for buf in bufs:
+        host.release(buf)
+    host.clear()
+
+
 def test_a_buffer_the_host_could_not_hold_beside_2_gib_is_not_pinned(locked, monkeypatch):
     # Note [Pinning can fail below the budget]: faulting its pages in would wake the kernel's
     # out-of-memory killer, so it is refused as CUDA would refuse it, within the host budget.

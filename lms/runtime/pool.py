@@ -120,7 +120,8 @@ class HostPool:
         return None
 
     def _make(self, size: int) -> torch.Tensor | None:
-        # Note [Pinned to the byte]: up to 2 MiB, PyTorch's power of two is the bucket itself
+        """A new buffer of ``size`` bytes, pinned to the byte above 2 MiB (Note [Pinned to the
+        byte]: up to 2 MiB, PyTorch's power of two is the bucket itself); None where refused."""
         if self._registers and size > _STEP:
             if size + _HOST_RESERVE > available_host_bytes():
                 return None

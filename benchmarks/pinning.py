@@ -36,9 +36,7 @@ def _timed(make):
 
 
 def _register_untouched(nbytes: int) -> torch.Tensor:
-    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    start = -raw.data_ptr() % 4096
-    buf = raw[start : start + nbytes]
+    buf = _cuda.page_aligned(nbytes)
     torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
     return buf
 

@@ -40,9 +40,7 @@ _PAGE = 4096
 def pin_host(nbytes: int) -> torch.Tensor | None:
     """A page-locked uint8 host buffer of ``nbytes`` (Note [Pinned to the byte]); None where
     the host refuses to lock more memory."""
-    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % _PAGE
-    buf = raw[start : start + nbytes]  # whole pages, shared with no other registration
+    buf = page_aligned(nbytes)
     buf.zero_()  # its pages faulted in on every intra-op thread
     code = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
     if code == 0:
@@ -51,6 +49,14 @@ def pin_host(nbytes: int) -> torch.Tensor | None:
     if code == _OUT_OF_MEMORY:
         return None
     raise torch.cuda.CudaError(code)
+
+
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """A plain uint8 host buffer of ``nbytes`` from a page boundary: whole pages (``nbytes`` a
+    multiple of 4096), shared with no other buffer's registration."""
+    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _PAGE
+    return raw[start : start + nbytes]
 
 
 def unpin_host(buf: torch.Tensor) -> None:

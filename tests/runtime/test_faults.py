@@ -142,6 +142,7 @@ def test_pinning_that_fails_below_the_host_budget_is_a_full_budget(
     # Note [Pinning can fail below the budget]: a CUDA error from pinning, which ended a step
     # on an H100 whose host had room left in its budget, sends the data to disk or is typed.
     from lms.runtime import pool, store
+    from tests.runtime.test_pool import PinnedPool
 
     pinned = []
 
@@ -152,12 +153,8 @@ def test_pinning_that_fails_below_the_host_budget_is_a_full_budget(
         pinned.append(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    class Pinning(pool.HostPool):  # a CUDA device's pool, on the CPU
-        def __init__(self, limit_bytes, *, pin):
-            super().__init__(limit_bytes, pin=True)
-
     monkeypatch.setattr(pool, "_empty", pin_up_to_64kib)
-    monkeypatch.setattr(store, "HostPool", Pinning)
+    monkeypatch.setattr(store, "HostPool", PinnedPool)
     model, inputs = model_and_input()
     ref = run_step(model, inputs)
     offload = lms.LMS(tier="host", host_budget="1GiB", spill_dir=spill_dir, **ALL)

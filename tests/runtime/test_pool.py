@@ -14,6 +14,13 @@ from tests.conftest import assert_bitwise, hooks_are_gone, run_step
 MiB = 1024**2
 
 
+class PinnedPool(pool.HostPool):
+    """A CUDA device's pool, on the CPU."""
+
+    def __init__(self, limit_bytes, *, pin):
+        super().__init__(limit_bytes, pin=True)
+
+
 @pytest.fixture
 def locked(monkeypatch):
     """Addresses page-locked by registration, with their sizes, while a test runs."""
@@ -118,11 +125,7 @@ def test_a_buffer_the_host_could_not_hold_beside_2_gib_is_not_pinned(locked, mon
 
 
 def test_a_step_on_a_pinned_pool_leaves_nothing_pinned(locked, monkeypatch, spill_dir):
-    class Pinning(pool.HostPool):  # a CUDA device's pool, on the CPU
-        def __init__(self, limit_bytes, *, pin):
-            super().__init__(limit_bytes, pin=True)
-
-    monkeypatch.setattr(store, "HostPool", Pinning)
+    monkeypatch.setattr(store, "HostPool", PinnedPool)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh())
     inputs = (torch.randn(1536, 1024),)  # 6 MiB activations

@@ -236,8 +236,13 @@ def report_for(
             checker = Checker(trace, spec, budget, half=half, free_held=free_held)
             plan = checker.plan(everything, ahead=1, sync_mode=3, source="infeasible")
         planned = simulate(trace, plan, spec, half=half)
+        # Note [The first step prefetches in the traced order]: a plan handed to `LMS(plan=...)`
+        # from here prefetches its first step as the simulation did.
         plan = dataclasses.replace(
-            plan, predicted_peak_bytes=planned.peak_bytes, predicted_overhead=planned.overhead
+            plan,
+            predicted_peak_bytes=planned.peak_bytes,
+            predicted_overhead=planned.overhead,
+            use_order=trace.use_order,
         )
     tune_seconds = time.perf_counter() - started
     report = Report(

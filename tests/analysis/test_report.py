@@ -231,6 +231,16 @@ def test_snapshot_is_what_memory_viz_reads(report, tmp_path):
     assert json.loads(json_path.read_text())["device_traces"][0][0]["action"] == "alloc"
 
 
+def test_the_reported_plan_prefetches_its_first_step_in_the_traced_order(report):
+    """A plan taken from a report and handed to `LMS(plan=...)` carries the order backward
+    read the saved storages in the trace, as a tuned plan does."""
+    plan = report.plan
+    assert plan is not None and plan.offload
+    assert plan.use_order == report.trace.use_order
+    assert sorted(plan.use_order) == sorted(set(plan.use_order)) and len(plan.use_order) > 1
+    assert Plan.from_json(plan.to_json()).use_order == plan.use_order
+
+
 def test_runtime_plan_respects_the_budget_when_it_can():
     trace = trace_step(deep, lambda: [torch.randn(8, 3, 128, 128)], device="cpu")
     spec = device_spec("cpu")

@@ -81,6 +81,7 @@ class Clock:
 
     def __init__(self, trace: Trace, plan: Plan | None, spec: DeviceSpec, seconds: list[float]):
         self.trace = trace
+        self.spec = spec
         self.seconds = seconds
         self.entries = entries = trace.entries()
         self.offload = set(plan.offload) if plan is not None else set()

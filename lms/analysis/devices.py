@@ -57,6 +57,16 @@ class DeviceSpec:
         host = None if memory is None else parse_bytes(memory, field="host_memory")
         return dataclasses.replace(self, host_memory_bytes=host)
 
+    def host_copy_bytes(self, nbytes: int) -> int:
+        """Host memory an offloaded copy of ``nbytes`` takes: on a GPU, the runtime's pinned
+        pool serves it from a bucket (`lms.runtime.pool.bucket_bytes`: up to 2 MiB more, and
+        up to twice the bytes below 2 MiB); on "cpu", a spill file of exactly its bytes."""
+        if self.name == "cpu":
+            return nbytes
+        from lms.runtime.pool import bucket_bytes
+
+        return bucket_bytes(nbytes)
+
     @property
     def spills(self) -> bool:
         """Whether offloaded data can overflow host memory to disk (not for "cpu", whose

@@ -54,7 +54,8 @@ class SimResult:
     peak_op: int
     """Index of the op running at the peak."""
     host_peak_bytes: int
-    """Peak of offloaded bytes held in host memory (or on disk, for the "cpu" spec)."""
+    """Peak of host memory the offloaded copies take, each in its pool bucket
+    (`DeviceSpec.host_copy_bytes`); for the "cpu" spec, of bytes in spill files."""
     offloaded_bytes: int
     offloaded_tensors: int
     step_s: float
@@ -222,8 +223,8 @@ class _Residency:
         roles = _junction_roles(clock.relieved)
         for ordinal, junction in clock.relieved.items():
             for k, size in enumerate(junction.sizes[: junction.taken]):
-                span = (clock.taken[ordinal, k][0], clock.rejoined[ordinal][1], size)
-                self.host_spans.append(span)
+                span = (clock.taken[ordinal, k][0], clock.rejoined[ordinal][1])
+                self.host_spans.append((*span, clock.spec.host_copy_bytes(size)))
             if junction.taken > 1:  # the sum so far and the next partial, while copied in
                 loading = (junction.merged, junction.sizes[0], *clock.rejoined[ordinal])
                 self._put(Interval(*loading, "reloaded"))
@@ -316,11 +317,11 @@ class _Residency:
 
     def _hold(self, ordinal: int, finish: float, nbytes: int) -> None:
         """Where the offloaded copy of ``ordinal`` is kept, from its copy out to ``finish``."""
-        span = (self.clock.out_start[ordinal], finish, nbytes)
+        begin = self.clock.out_start[ordinal]
         if ordinal in self.clock.spill:  # its staging copy, freed once written, is not counted
-            self.disk_spans.append(span)
+            self.disk_spans.append((begin, finish, nbytes))
         else:
-            self.host_spans.append(span)
+            self.host_spans.append((begin, finish, self.clock.spec.host_copy_bytes(nbytes)))
 
     def _junction(self, record: StorageRecord, roles: list[tuple[int, int]]) -> None:
         clock = self.clock

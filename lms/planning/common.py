@@ -20,15 +20,17 @@ __all__ = ["Checker", "emptiable", "entry_distances", "host_spans", "place_spill
 log = logging.getLogger("lms.planning")
 
 
-def host_spans(trace: Trace) -> list[tuple[int, int, int]]:
+def host_spans(trace: Trace, spec: DeviceSpec) -> list[tuple[int, int, int]]:
     """For each entry, the ops over which an offloaded copy of it is held: from its save to the
-    op after which its storage is freed (the end of the step if never), and its bytes."""
+    op after which its storage is freed (the end of the step if never), and the host memory
+    the copy takes on ``spec`` (`DeviceSpec.host_copy_bytes`)."""
     free_op = {record.id: record.free_op for record in trace.storages}
     end = len(trace.ops)
     spans = []
     for storage, nbytes, save_op in trace.entries():
         last = free_op.get(storage)
-        spans.append((save_op, end if last is None else min(last, end), nbytes))
+        held = spec.host_copy_bytes(nbytes)
+        spans.append((save_op, end if last is None else min(last, end), held))
     return spans
 
 
@@ -131,7 +133,7 @@ class Checker:
     def __post_init__(self) -> None:
         self.fingerprint = self.trace.fingerprint()
         self.num_entries = len(self.trace.entries())
-        self._host_spans = host_spans(self.trace)
+        self._host_spans = host_spans(self.trace, self.spec)
         self.emptiable = emptiable(self.trace) if self.free_held else {}
         """Entries a plan may empty while the code holds them, and the event from which."""
         self._results: dict[Plan | None, SimResult] = {}

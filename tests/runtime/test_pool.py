@@ -144,6 +144,40 @@ def test_a_step_on_a_pinned_pool_leaves_nothing_pinned(locked, monkeypatch, spil
     assert locked == {} and hooks_are_gone()
 
 
+def test_the_simulator_counts_host_memory_as_the_pool_takes_it(locked, monkeypatch):
+    """On a GPU spec each offloaded copy is counted in its pool bucket, so a plan's host peak
+    (what spill placement and the host budget check read) is what the pinned pool holds."""
+    from lms.analysis import device_spec, simulate, trace_step
+    from tests.runtime.test_junctions import _everything_out
+
+    monkeypatch.setattr(store, "HostPool", PinnedPool)
+    monkeypatch.setattr(pool, "_empty", lambda n, pin: torch.empty(n, dtype=torch.uint8))
+
+    def build():
+        torch.manual_seed(0)
+        widths = [1024, 1024, 2600, 1024]  # copies of 1.17 and 2.98 MiB: 2 and 4 MiB buckets
+        layers = []
+        for a, b in zip(widths, widths[1:], strict=False):
+            layers += [nn.Linear(a, b), nn.Tanh()]
+        return nn.Sequential(*layers)
+
+    inputs = (torch.randn(300, 1024),)
+    trace = trace_step(build, inputs, device="cpu", min_offload_bytes=0)
+    plan = _everything_out(trace)
+    exact = sum(nbytes for _, nbytes, _ in trace.entries())
+    simulated = simulate(trace, plan, device_spec("h100")).host_peak_bytes
+    assert simulated == sum(pool.bucket_bytes(n) for _, n, _ in trace.entries()) > 1.5 * exact
+    assert simulate(trace, plan, device_spec("cpu")).host_peak_bytes == exact  # spill files
+    model = build()
+    ref = run_step(model, inputs)
+    offload = lms.LMS(plan=plan, tier="host", min_offload_bytes=0)
+    offload._offloader.tier = "auto-host"  # a CUDA-like auto tier, host then disk
+    for _ in range(2):
+        assert_bitwise(ref, run_step(model, inputs, offload))
+    assert offload._offloader.pool.peak_in_use_bytes == simulated
+    offload.close()
+
+
 @pytest.mark.parametrize("code", [0, 2, 1])  # success, cudaErrorMemoryAllocation, another
 def test_pin_host_locks_whole_pages_and_answers_a_refusal(monkeypatch, code):
     from lms.runtime import _cuda

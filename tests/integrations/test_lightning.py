@@ -88,6 +88,19 @@ def fit(callbacks, model=None, precision="32-true", accelerator="cpu", edge=64, 
     return model
 
 
+def assert_same_state(plain, other):
+    """Every weight and buffer of ``other`` has the bits of ``plain``'s; a failure names the
+    first that differs, by how much, and the intra-op threads this process ran with."""
+    theirs = other.state_dict()
+    assert list(theirs) == list(plain.state_dict())
+    for name, a in plain.state_dict().items():
+        b = theirs[name]
+        assert same_bits(a, b), (
+            f"{name} differs by up to {(a.double() - b.double()).abs().max().item():.3g} "
+            f"({torch.get_num_threads()} threads)"
+        )
+
+
 def midway(precision):
     """A budget for `fit` halfway between its step's floor and peak on this machine: what a
     convolution takes while it runs depends on the kernel the CPU gets (in bf16 more than twice
@@ -116,8 +129,7 @@ def test_fit_follows_the_tuned_plan_bitwise(tmp_path, caplog, precision, accumul
         budget=midway(precision), min_offload_bytes=0, spill_dir=str(spill), cache_dir=str(tmp_path)
     )
     offloaded = fit([callback], precision=precision, accumulate=accumulate)
-    for a, b in zip(plain.state_dict().values(), offloaded.state_dict().values(), strict=True):
-        assert same_bits(a, b)
+    assert_same_state(plain, offloaded)
     plan = callback.lms.plan
     assert plan is not None and plan.offload  # tuned on the first batch, and it moves tensors
     batches = 3 * accumulate  # one LMS step a batch; the optimizer steps every `accumulate`
@@ -141,8 +153,7 @@ def test_named_submodules_stay_on_the_device_during_fit_only(tmp_path, caplog):
         ),
     ]
     models = [fit([callback]) for callback in callbacks]
-    for a, b in zip(plain.state_dict().values(), models[1].state_dict().values(), strict=True):
-        assert same_bits(a, b)
+    assert_same_state(plain, models[1])
     kept = [callback.lms.stats.kept_tensors for callback in callbacks]
     assert kept[1] > kept[0]  # what features.3 and .4 save
     assert "falling back" not in caplog.text
@@ -162,8 +173,7 @@ def test_an_untuned_fit_runs_no_hook_on_every_module_call(tmp_path):
     )
     callback = LMSCallback(tune=False, budget="2MiB", min_offload_bytes=0, spill_dir=str(tmp_path))
     fit([callback], net)
-    for a, b in zip(plain.state_dict().values(), net.state_dict().values(), strict=True):
-        assert same_bits(a, b)
+    assert_same_state(plain, net)
     assert callback.lms.plan is None and callback.lms.stats.offloaded_tensors > 0
     assert hooked and not any(hooked)  # the module's parameters are known from the start
 

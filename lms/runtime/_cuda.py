@@ -12,6 +12,14 @@ Note: [Allocate reloads on the compute stream]
     copy's event before any kernel reads it. The pinned source buffer goes back to the pool only
     with that event, and is reused only once the event has completed.
 
+Note: [A copy in follows the copy out of its data]
+    The two directions run on two streams, which a GPU's copy engines run at once. Backward
+    may ask for a storage whose copy out is still queued (in async mode, the last ones forward
+    saved are the first backward reads): the copy in then waits for the copy out's event on
+    the device, or it could read the pinned buffer before the copy out has filled it. Until
+    the runtime sees that event complete it reads the device storage itself; once it has, it
+    reads the copy in, which must hold the same bits.
+
 Note: [Pinned to the byte]
     PyTorch's pinned allocator rounds each request up to a power of two and keeps what is freed
     pinned in its cache for the life of the process: a 9.5 GiB activation pins 16 GiB, and a
@@ -105,13 +113,20 @@ class CopyEngine:
         return event
 
     def copy_in(
-        self, src: torch.Tensor, into: torch.Tensor | None = None
+        self,
+        src: torch.Tensor,
+        into: torch.Tensor | None = None,
+        *,
+        after: torch.cuda.Event | None = None,
     ) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Allocate on the compute stream (or take ``into``, allocated there) and queue a copy of
-        pinned ``src`` into it."""
+        pinned ``src`` into it, after the copy out ``after`` that fills ``src`` (Note [A copy in
+        follows the copy out of its data])."""
         compute = torch.cuda.current_stream(self.device)
         dst = torch.empty(src.shape, dtype=src.dtype, device=self.device) if into is None else into
         self.h2d.wait_stream(compute)
+        if after is not None:
+            self.h2d.wait_event(after)
         with torch.cuda.stream(self.h2d):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()

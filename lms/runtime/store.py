@@ -340,7 +340,8 @@ class Offloader:
             if device.type == "cuda":
                 if entry.pending_out is not None:
                     self._complete(entry, wait=False)
-                entry.loading = self._engine_for(device).copy_in(src, into)
+                # Note [A copy in follows the copy out of its data]
+                entry.loading = self._engine_for(device).copy_in(src, into, after=entry.pending_out)
             else:
                 entry.loading = src.clone() if into is None else into.copy_(src)
         self.loaded_bytes += entry.nbytes

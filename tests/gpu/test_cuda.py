@@ -97,6 +97,30 @@ def test_a_host_buffer_released_with_its_copy_in_queued_waits_for_that_copy():
     assert offloader.pool.registered_bytes == 0
 
 
+def test_a_copy_in_queued_before_its_copy_out_ends_reads_what_the_copy_out_wrote():
+    """Note [A copy in follows the copy out of its data]: the copy out is held back on its
+    stream; a prefetch queued meanwhile must not read the pinned buffer before it is filled."""
+    from lms.runtime.store import Entry, Offloader
+
+    offloader = Offloader(tier="host", host_limit_bytes=1024**3, spill_dir=None, sync_out=False)
+    x = torch.randn(1536, 1024, device="cuda")
+    expected = x.clone()
+    entry = Entry(0, 0, x.untyped_storage(), x.device)
+    engine = offloader._engine_for(x.device)
+    with torch.cuda.stream(engine.d2h):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s before the copy out starts
+    offloader.offload(entry)
+    del x
+    assert offloader.prefetch(entry) and entry.pending_out is not None
+    offloader.wait_oldest()  # the copy out is done: backward now reads the copy in
+    assert entry.storage is None
+    storage, _ = offloader.fetch(entry)
+    back = torch.empty(0, device="cuda").set_(storage, 0, expected.shape, expected.stride())
+    assert same_bits(back, expected)
+    offloader.release(entry)
+    offloader.close()
+
+
 def test_max_memory_allocated_is_reduced():
     torch.manual_seed(0)
     layers = []

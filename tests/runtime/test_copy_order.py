@@ -1,0 +1,61 @@
+"""The order of copies on a CUDA device's two streams, played on the CPU with a stand-in copy
+engine: a copy in waits for the copy out of the same data (Note [A copy in follows the copy out
+of its data]). `tests/gpu/test_cuda.py` checks the bits on a card."""
+
+import torch
+
+from lms.runtime.store import Entry, Offloader
+
+
+class CopyOut:
+    """A copy out's event, still running until ``synchronize``."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+class Engine:
+    """Records what each copy in was queued after."""
+
+    def __init__(self):
+        self.after = []
+
+    def copy_in(self, src, into=None, *, after=None):
+        self.after.append(after)
+        return src.clone(), object()
+
+
+def _offloaded(offloader):
+    data = torch.arange(256, dtype=torch.uint8)
+    entry = Entry(0, 0, data.untyped_storage(), torch.device("cuda"))  # no CUDA call made
+    entry.offloaded, entry.host_buf, entry.pending_out = True, data.clone(), CopyOut()
+    offloader._pending.append(entry)
+    return entry
+
+
+def test_a_copy_in_queued_while_its_copy_out_runs_waits_for_it():
+    offloader = Offloader(tier="host", host_limit_bytes=2**20, spill_dir=None, sync_out=False)
+    engine = Engine()
+    offloader._engine = engine
+    entry = _offloaded(offloader)
+    copy_out = entry.pending_out
+    assert offloader.prefetch(entry)
+    assert engine.after == [copy_out]
+    assert entry.storage is not None  # backward reads the device storage until it is seen done
+
+
+def test_a_copy_in_after_its_copy_out_was_seen_done_waits_for_nothing():
+    offloader = Offloader(tier="host", host_limit_bytes=2**20, spill_dir=None, sync_out=False)
+    engine = Engine()
+    offloader._engine = engine
+    entry = _offloaded(offloader)
+    offloader.wait_oldest()
+    assert entry.pending_out is None and entry.storage is None
+    assert offloader.prefetch(entry)
+    assert engine.after == [None]

@@ -1,10 +1,18 @@
-"""Byte sizes: parse "10GiB" / "1.5 GB" / 1024, and format them back for people."""
+"""Byte sizes: parse "10GiB" / "1.5 GB" / 1024, format them back for people, and round them up
+to the host pool's buckets."""
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["parse_bytes", "format_bytes", "format_rate", "check_counts"]
+__all__ = [
+    "parse_bytes",
+    "format_bytes",
+    "format_rate",
+    "check_counts",
+    "bucket_bytes",
+    "BUCKET_STEP",
+]
 
 _UNITS = {
     "": 1,
@@ -56,6 +64,18 @@ def parse_bytes(value: int | float | str, *, field: str = "size", positive: bool
     if positive and int(number) == 0:
         raise ValueError(f"lms: {field}={value!r} must be more than 0 bytes")
     return int(number)
+
+
+BUCKET_STEP = 2 * 1024**2
+"""Host buffers grow in powers of two up to this size, then in multiples of it."""
+
+
+def bucket_bytes(nbytes: int) -> int:
+    """The host pool bucket a request of ``nbytes`` is served from (`lms.runtime.pool`), which
+    the simulator counts too (`lms.analysis.devices.DeviceSpec.host_copy_bytes`)."""
+    if nbytes <= BUCKET_STEP:
+        return 1 << max(nbytes - 1, 0).bit_length()
+    return -(-nbytes // BUCKET_STEP) * BUCKET_STEP
 
 
 def format_bytes(nbytes: float) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lms._units import parse_bytes
+from lms._units import bucket_bytes, parse_bytes
 
 __all__ = ["DeviceSpec", "DEVICES", "device_spec"]
 
@@ -59,13 +59,9 @@ class DeviceSpec:
 
     def host_copy_bytes(self, nbytes: int) -> int:
         """Host memory an offloaded copy of ``nbytes`` takes: on a GPU, the runtime's pinned
-        pool serves it from a bucket (`lms.runtime.pool.bucket_bytes`: up to 2 MiB more, and
-        up to twice the bytes below 2 MiB); on "cpu", a spill file of exactly its bytes."""
-        if self.name == "cpu":
-            return nbytes
-        from lms.runtime.pool import bucket_bytes
-
-        return bucket_bytes(nbytes)
+        pool serves it from a bucket (`lms._units.bucket_bytes`: up to 2 MiB more, and up to
+        twice the bytes below 2 MiB); on "cpu", a spill file of exactly its bytes."""
+        return nbytes if self.name == "cpu" else bucket_bytes(nbytes)
 
     @property
     def spills(self) -> bool:

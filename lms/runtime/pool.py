@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
-from lms._units import format_bytes
+from lms._units import BUCKET_STEP, bucket_bytes, format_bytes
 from lms.runtime._cuda import pin_host, unpin_host
 
 __all__ = ["HostPool", "available_host_bytes", "bucket_bytes"]
 
-_STEP = 2 * 1024**2
 _HOST_RESERVE = 2 * 1024**3  # left available beside a new pinned buffer (Note [Pinning can...])
 log = logging.getLogger("lms.runtime")
 
@@ -49,13 +48,6 @@ def _unpin_all(registered: dict[int, torch.Tensor]) -> None:
     for buf in registered.values():
         unpin_host(buf)
     registered.clear()
-
-
-def bucket_bytes(nbytes: int) -> int:
-    """The pool bucket a request of ``nbytes`` is served from."""
-    if nbytes <= _STEP:
-        return 1 << max(nbytes - 1, 0).bit_length()
-    return -(-nbytes // _STEP) * _STEP
 
 
 class HostPool:
@@ -122,7 +114,7 @@ class HostPool:
     def _make(self, size: int) -> torch.Tensor | None:
         """A new buffer of ``size`` bytes, pinned to the byte above 2 MiB (Note [Pinned to the
         byte]: up to 2 MiB, PyTorch's power of two is the bucket itself); None where refused."""
-        if self._registers and size > _STEP:
+        if self._registers and size > BUCKET_STEP:
             if size + _HOST_RESERVE > available_host_bytes():
                 return None
             try:

@@ -1,6 +1,7 @@
 """Data parallel and sharded: each process runs its own LMS around a DistributedDataParallel or
 an FSDP2 (fully_shard) step (gloo)."""
 
+import gc
 import os
 
 import torch
@@ -44,46 +45,56 @@ def _worker(rank, folder, offloaded, sharded):
         "gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD
     )
     try:
-        model = _model()
-        if sharded:  # FSDP2: each convolution and the classifier, then the rest, over the ranks
-            mesh = init_device_mesh("cpu", (WORLD,))
-            for layer in [*(block.conv for block in model[:4]), model[-1]]:
-                fully_shard(layer, mesh=mesh)  # called with its parameters sharded (DTensors)
-            parallel = fully_shard(model, mesh=mesh)
-        else:
-            parallel = nn.parallel.DistributedDataParallel(model)
-        generator = torch.Generator().manual_seed(rank)  # each rank its own shard
-        batch = [torch.randn(4, 8, 32, 32, generator=generator), torch.randint(0, 10, (4,))]
-        optimizer = torch.optim.SGD(parallel.parameters(), lr=0.1)
-        offload = None
-        report = {}
-        if offloaded:
-            spill = os.path.join(folder, f"spill{rank}")
-            os.mkdir(spill)
-            offload = lms.LMS(budget="2MiB", min_offload_bytes=0, spill_dir=spill)
-            try:
-                offload.tune(model, batch, _step, cache_dir=os.path.join(folder, f"plans{rank}"))
-            except lms.UnplannableStepError as error:
-                report["refused"] = str(error)
-        for _ in range(2):
-            optimizer.zero_grad()
-            with (
-                offload
-                if offload is not None
-                else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-            ):
-                _step(parallel, batch)
-            optimizer.step()
-        local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
-        report["params"] = [p.detach() for p in local]
-        if offload is not None:
-            report["plan"] = offload.plan
-            report["stats"] = offload.stats
-            offload.close()
-            report["spill_files"] = os.listdir(os.path.join(folder, f"spill{rank}"))
-        torch.save(report, os.path.join(folder, f"rank{rank}.pt"))
+        _train(rank, folder, offloaded, sharded)
+        # The model, its mesh and FSDP's state are gone with `_train`'s frame, so the process
+        # group is torn down here, once both ranks are done, rather than as the process exits
+        # (where gloo's threads, still held, abort it).
+        gc.collect()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _train(rank, folder, offloaded, sharded):
+    """Two steps on this rank; saves what the test compares to ``rank{rank}.pt``."""
+    model = _model()
+    if sharded:  # FSDP2: each convolution and the classifier, then the rest, over the ranks
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for layer in [*(block.conv for block in model[:4]), model[-1]]:
+            fully_shard(layer, mesh=mesh)  # called with its parameters sharded (DTensors)
+        parallel = fully_shard(model, mesh=mesh)
+    else:
+        parallel = nn.parallel.DistributedDataParallel(model)
+    generator = torch.Generator().manual_seed(rank)  # each rank its own shard
+    batch = [torch.randn(4, 8, 32, 32, generator=generator), torch.randint(0, 10, (4,))]
+    optimizer = torch.optim.SGD(parallel.parameters(), lr=0.1)
+    offload = None
+    report = {}
+    if offloaded:
+        spill = os.path.join(folder, f"spill{rank}")
+        os.mkdir(spill)
+        offload = lms.LMS(budget="2MiB", min_offload_bytes=0, spill_dir=spill)
+        try:
+            offload.tune(model, batch, _step, cache_dir=os.path.join(folder, f"plans{rank}"))
+        except lms.UnplannableStepError as error:
+            report["refused"] = str(error)
+    for _ in range(2):
+        optimizer.zero_grad()
+        with (
+            offload
+            if offload is not None
+            else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+        ):
+            _step(parallel, batch)
+        optimizer.step()
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
+    report["params"] = [p.detach() for p in local]
+    if offload is not None:
+        report["plan"] = offload.plan
+        report["stats"] = offload.stats
+        offload.close()
+        report["spill_files"] = os.listdir(os.path.join(folder, f"spill{rank}"))
+    torch.save(report, os.path.join(folder, f"rank{rank}.pt"))
 
 
 def _fit(folder, offloaded, sharded=False):

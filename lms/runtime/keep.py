@@ -12,7 +12,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["Keep", "no_offload", "no_offload_in", "offload_blocked", "submodules"]
+__all__ = [
+    "Keep",
+    "no_offload",
+    "no_offload_in",
+    "offload_blocked",
+    "submodules",
+    "wrapped_parts",
+]
 
 _local = threading.local()
 
@@ -163,11 +170,26 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 """Types whose storage is their own (most parameters and buffers): no subclass to look into."""
 
 
+def wrapped_parts(tensor: torch.Tensor) -> tuple[dict[str, Any], Any] | None:
+    """What a tensor subclass that wraps others and has no storage of its own (a DTensor, FSDP's
+    sharded parameters) is made of: its inner tensors and the other objects its
+    ``__tensor_unflatten__`` takes back (a DTensor's device mesh) by name, and the context it
+    takes with them; None for any other tensor."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return None
+    names, context = tensor.__tensor_flatten__()
+    return {name: getattr(tensor, name) for name in names}, context
+
+
 def _storage_ptrs(tensor: torch.Tensor) -> list[int]:
     """The addresses of the storages behind ``tensor``: its own, or for a subclass that wraps
-    others and has none of its own (FSDP's sharded parameters, DTensors), theirs."""
-    if not is_traceable_wrapper_subclass(tensor):
+    others, theirs."""
+    wrapped = wrapped_parts(tensor)
+    if wrapped is None:
         return [tensor.untyped_storage().data_ptr()]
-    names, _ = tensor.__tensor_flatten__()
-    inner = [getattr(tensor, name) for name in names]
-    return [ptr for part in inner if isinstance(part, torch.Tensor) for ptr in _storage_ptrs(part)]
+    return [
+        ptr
+        for part in wrapped[0].values()
+        if isinstance(part, torch.Tensor)
+        for ptr in _storage_ptrs(part)
+    ]

@@ -23,12 +23,19 @@ from lms.plan import Plan
 from lms.runtime import policy
 from lms.runtime.follow import Follow
 from lms.runtime.junctions import in_backward
-from lms.runtime.keep import Keep, leave_modules, no_offload, no_offload_in
+from lms.runtime.keep import (
+    Keep,
+    leave_modules,
+    no_offload,
+    no_offload_in,
+    offload_blocked,
+    wrapped_parts,
+)
 from lms.runtime.pool import available_host_bytes
 from lms.runtime.recompute import Replays
 from lms.runtime.relief import Relief
 from lms.runtime.stats import LMSStats
-from lms.runtime.step import Handle, Kept, Step, storage_bytes
+from lms.runtime.step import Handle, Kept, Step, Wrapped, storage_bytes
 from lms.runtime.store import Entry, Offloader
 
 __all__ = ["LMS", "no_offload", "no_offload_in"]
@@ -287,27 +294,49 @@ class LMS:
             plan = self.plan
             if plan is not None and plan.stash and not step.walked and tensor.grad_fn is not None:
                 step.saved_nodes.append(tensor.grad_fn)
-            if self._keep(tensor):
-                self.stats.kept_tensors += 1
-                if self._keep.movable(tensor):
-                    self._note_held(step, tensor)
-                return Kept(tensor)
-            self._offloader.poll()
-            storage = tensor.untyped_storage()
-            slot = (str(tensor.device), storage.data_ptr())
-            found = self._by_storage.get(slot)
-            entry = found[1] if found is not None and found[0]() is storage else None
-            base = tensor if tensor._base is None else tensor._base
-            if (
-                entry is None
-                or entry.released
-                or ((entry.offloaded or entry.recipe is not None) and not self._joins(entry, base))
-            ):
-                entry = self._new_entry(step, storage, tensor.device, base)
-                self._by_storage[slot] = (weakref.ref(storage), entry)
-                self._relief.note(step, self.plan, entry, tensor)
-            entry.handles += 1
-            return Handle(self._drop_handle, entry, tensor)
+            return self._hold(step, tensor)
+
+    def _hold(self, step: Step, tensor: torch.Tensor) -> Any:
+        """What autograd holds instead of ``tensor``, saved now (under the lock)."""
+        if self._keep(tensor):
+            wrapped = None if self.plan is not None else self._wrap(step, tensor)
+            if wrapped is not None:
+                return wrapped
+            self.stats.kept_tensors += 1
+            if self._keep.movable(tensor):
+                self._note_held(step, tensor)
+            return Kept(tensor)
+        self._offloader.poll()
+        storage = tensor.untyped_storage()
+        slot = (str(tensor.device), storage.data_ptr())
+        found = self._by_storage.get(slot)
+        entry = found[1] if found is not None and found[0]() is storage else None
+        base = tensor if tensor._base is None else tensor._base
+        if (
+            entry is None
+            or entry.released
+            or ((entry.offloaded or entry.recipe is not None) and not self._joins(entry, base))
+        ):
+            entry = self._new_entry(step, storage, tensor.device, base)
+            self._by_storage[slot] = (weakref.ref(storage), entry)
+            self._relief.note(step, self.plan, entry, tensor)
+        entry.handles += 1
+        return Handle(self._drop_handle, entry, tensor)
+
+    def _wrap(self, step: Step, tensor: torch.Tensor) -> Wrapped | None:
+        """A subclass that wraps plain tensors, held by its inner tensors where one of them may
+        move (Note [Subclasses move by their inner tensors]); None: kept whole."""
+        wrapped = wrapped_parts(tensor)
+        base = tensor if tensor._base is None else tensor._base
+        if wrapped is None or offload_blocked() or (base.is_leaf and base.requires_grad):
+            return None  # not a subclass, or a weight or a view of one
+        parts, context = wrapped
+        inner = {name: t for name, t in parts.items() if isinstance(t, torch.Tensor)}
+        if not any(self._keep.movable(t) or wrapped_parts(t) is not None for t in inner.values()):
+            return None
+        others = {name: part for name, part in parts.items() if name not in inner}
+        held = {name: self._hold(step, t) for name, t in inner.items()}
+        return Wrapped(tensor, held, others, context)
 
     def _note_held(self, step: Step, tensor: torch.Tensor) -> None:
         """A save kept in place (inside `no_offload`, or a conjugate view) holds ``tensor``'s
@@ -444,18 +473,27 @@ class LMS:
         if self._relief.holding:  # a partial gradient's device memory goes once copied out
             with self._lock:
                 self._offloader.poll()
-        if isinstance(packed, Kept):
+        if not isinstance(packed, Handle):  # kept, or a subclass around its inner tensors
             with self._lock:
                 if self._step is not None:
                     self._step.level += 1
+        return self._bring_back(packed, counted=isinstance(packed, Handle))
+
+    def _bring_back(self, packed: Handle | Kept | Wrapped, *, counted: bool) -> torch.Tensor:
+        """The tensor ``packed`` holds, from wherever it is now; ``counted``: this read is a
+        level of its own (not one of the inner tensors of a `Wrapped`)."""
+        if isinstance(packed, Kept):
             return packed.unpack()
+        if isinstance(packed, Wrapped):
+            return packed.remake(functools.partial(self._bring_back, counted=False))
         packed.check()
         entry = packed.entry
         with self._lock:
             self._release_dropped()
             step = self._step
             if step is not None and step.owns(entry):
-                step.level += 1
+                if counted:
+                    step.level += 1
                 if step.to_empty:
                     if entry in step.to_empty:  # read before it was emptied: it stays
                         step.to_empty.remove(entry)

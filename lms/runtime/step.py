@@ -13,9 +13,10 @@ import torch
 from lms.errors import SavedTensorChangedError
 from lms.plan import Plan
 from lms.runtime import junctions, policy
+from lms.runtime.keep import wrapped_parts
 from lms.runtime.store import Entry
 
-__all__ = ["Handle", "Kept", "Step", "storage_bytes", "without_node"]
+__all__ = ["Handle", "Kept", "Step", "Wrapped", "storage_bytes", "without_node"]
 
 
 # Note: [Saved tensors changed in place]
@@ -100,6 +101,62 @@ class Handle:
         self.release(self.entry)
 
 
+class Wrapped:
+    """What autograd holds for a saved tensor subclass that wraps plain tensors (a DTensor and
+    its local shard): what the runtime holds for each inner tensor, and what remakes the
+    subclass around them.
+
+    Note: [Subclasses move by their inner tensors]
+    Tensor parallelism saves the inputs of its matrix products as DTensors, whose memory is a
+    plain local tensor inside. Where a step follows no plan, each inner tensor is kept, moved or
+    shared like any saved tensor, and the subclass is made again around what comes back, by its
+    own ``__tensor_unflatten__`` with the shape, strides and context it had when saved: the same
+    bits as its own. The other objects it is made of (a DTensor's mesh) are held as they are. A
+    plan counts such a save as one it keeps (the trace sees no subclass), so a step following
+    one keeps the subclass whole, as it keeps one whose inner tensors all stay (a view of a
+    sharded weight).
+
+    An in-place op on the subclass moves its own version counter, not its inner tensors' (their
+    ops run below autograd), so the check of Note [Saved tensors changed in place] watches the
+    subclass itself: a detached alias, which shares its counter, with its inner tensors swapped
+    for empty ones so that it holds no memory.
+    """
+
+    __slots__ = ("kind", "held", "others", "context", "size", "stride", "version", "watch")
+
+    def __init__(
+        self, tensor: torch.Tensor, held: dict[str, Any], others: dict[str, Any], context: Any
+    ):
+        self.kind = type(tensor)
+        self.held = held
+        """Inner tensors' names to what the runtime holds for each (`Kept`, `Handle`)."""
+        self.others = others
+        self.context = context
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.version = tensor._version
+        self.watch: torch.Tensor | None = tensor.detach()
+        try:
+            for name in held:
+                empty = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                setattr(self.watch, name, empty)
+        except (AttributeError, TypeError):  # a subclass that refuses: its inner tensors' checks
+            self.watch = None
+
+    def remake(self, unpack: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """The subclass again, each inner tensor brought back by ``unpack``.
+
+        Raises:
+            SavedTensorChangedError: an in-place op changed it after it was saved.
+        """
+        if self.watch is not None and self.watch._version != self.version:
+            raise changed_error(self.watch, self.watch._version, self.version, self.size)
+        inner = {name: unpack(part) for name, part in self.held.items()}
+        return self.kind.__tensor_unflatten__(  # type: ignore[attr-defined,no-any-return]
+            {**self.others, **inner}, self.context, self.size, self.stride
+        )
+
+
 def changed_error(
     tensor: torch.Tensor, now: int, saved: int, size: torch.Size | None = None
 ) -> SavedTensorChangedError:
@@ -113,8 +170,14 @@ def changed_error(
 
 
 def storage_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of a plain strided tensor's storage; 0 for subclasses and other layouts."""
-    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+    """Bytes of a plain strided tensor's storage, or of those of the plain tensors a subclass
+    wraps (Note [Subclasses move by their inner tensors]); 0 for other layouts."""
+    if type(tensor) is not torch.Tensor:
+        wrapped = wrapped_parts(tensor)
+        if wrapped is None:
+            return 0
+        return sum(storage_bytes(t) for t in wrapped[0].values() if isinstance(t, torch.Tensor))
+    if tensor.layout != torch.strided:
         return 0
     return int(tensor.untyped_storage().nbytes())
 

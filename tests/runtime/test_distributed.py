@@ -1,5 +1,5 @@
-"""Data parallel and sharded: each process runs its own LMS around a DistributedDataParallel or
-an FSDP2 (fully_shard) step (gloo)."""
+"""Data parallel, sharded and tensor parallel: each process runs its own LMS around a
+DistributedDataParallel, an FSDP2 (fully_shard) or a tensor-parallel step (gloo)."""
 
 import gc
 import os
@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lms
 from tests.conftest import same_bits
@@ -33,6 +34,31 @@ def _model():
     return nn.Sequential(*[Residual() for _ in range(4)], nn.Flatten(), nn.Linear(8 * 32 * 32, 10))
 
 
+class Feedforward(nn.Module):
+    """A transformer's feed-forward block: under tensor parallelism each projection saves its
+    input as a DTensor (replicated, then sharded), and the norm and the GELU plain tensors."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _feedforward_model():
+    torch.manual_seed(0)
+    return nn.Sequential(Feedforward(), Feedforward())
+
+
+def _regression_step(model, batch):
+    loss = model(batch[0]).square().mean()
+    loss.backward()
+    return loss
+
+
 def _step(model, batch):
     images, labels = batch
     loss = nn.functional.cross_entropy(model(images), labels)
@@ -40,12 +66,12 @@ def _step(model, batch):
     return loss
 
 
-def _worker(rank, folder, offloaded, sharded):
+def _worker(rank, folder, offloaded, kind):
     dist.init_process_group(
         "gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD
     )
     try:
-        _train(rank, folder, offloaded, sharded)
+        _train(rank, folder, offloaded, kind)
         # The model, its mesh and FSDP's state are gone with `_train`'s frame, so the process
         # group is torn down here, once both ranks are done, rather than as the process exits
         # (where gloo's threads, still held, abort it).
@@ -55,29 +81,39 @@ def _worker(rank, folder, offloaded, sharded):
         dist.destroy_process_group()
 
 
-def _train(rank, folder, offloaded, sharded):
+def _train(rank, folder, offloaded, kind):
     """Two steps on this rank; saves what the test compares to ``rank{rank}.pt``."""
-    model = _model()
-    if sharded:  # FSDP2: each convolution and the classifier, then the rest, over the ranks
+    model = _model()  # seeds the labels drawn next
+    generator = torch.Generator().manual_seed(rank)  # each rank its own shard
+    batch = [torch.randn(4, 8, 32, 32, generator=generator), torch.randint(0, 10, (4,))]
+    step = _step
+    if kind == "fsdp":  # FSDP2: each convolution and the classifier, then the rest, over the ranks
         mesh = init_device_mesh("cpu", (WORLD,))
         for layer in [*(block.conv for block in model[:4]), model[-1]]:
             fully_shard(layer, mesh=mesh)  # called with its parameters sharded (DTensors)
         parallel = fully_shard(model, mesh=mesh)
+    elif kind == "tp":  # each block's projections split over the ranks, the batch the same
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = parallel = _feedforward_model()
+        for block in model:
+            parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        batch = [torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(0))]
+        step = _regression_step
     else:
         parallel = nn.parallel.DistributedDataParallel(model)
-    generator = torch.Generator().manual_seed(rank)  # each rank its own shard
-    batch = [torch.randn(4, 8, 32, 32, generator=generator), torch.randint(0, 10, (4,))]
     optimizer = torch.optim.SGD(parallel.parameters(), lr=0.1)
     offload = None
     report = {}
     if offloaded:
         spill = os.path.join(folder, f"spill{rank}")
         os.mkdir(spill)
-        offload = lms.LMS(budget="2MiB", min_offload_bytes=0, spill_dir=spill)
-        try:
-            offload.tune(model, batch, _step, cache_dir=os.path.join(folder, f"plans{rank}"))
-        except lms.UnplannableStepError as error:
-            report["refused"] = str(error)
+        settings = {"swapout_threshold": 1} if kind == "tp" else {"budget": "2MiB"}
+        offload = lms.LMS(min_offload_bytes=0, spill_dir=spill, **settings)
+        if kind != "tp":
+            try:
+                offload.tune(model, batch, step, cache_dir=os.path.join(folder, f"plans{rank}"))
+            except lms.UnplannableStepError as error:
+                report["refused"] = str(error)
     for _ in range(2):
         optimizer.zero_grad()
         with (
@@ -85,7 +121,7 @@ def _train(rank, folder, offloaded, sharded):
             if offload is not None
             else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
         ):
-            _step(parallel, batch)
+            step(parallel, batch)
         optimizer.step()
     local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters()]
     report["params"] = [p.detach() for p in local]
@@ -97,9 +133,9 @@ def _train(rank, folder, offloaded, sharded):
     torch.save(report, os.path.join(folder, f"rank{rank}.pt"))
 
 
-def _fit(folder, offloaded, sharded=False):
+def _fit(folder, offloaded, kind="ddp"):
     os.makedirs(folder)
-    mp.spawn(_worker, args=(folder, offloaded, sharded), nprocs=WORLD)
+    mp.spawn(_worker, args=(folder, offloaded, kind), nprocs=WORLD)
     return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(2)]
 
 
@@ -116,13 +152,37 @@ def test_data_parallel_steps_are_bitwise_and_follow_each_plan(tmp_path):
 
 
 def test_sharded_steps_are_bitwise_within_the_budget_and_tuning_is_refused(tmp_path):
-    plain = _fit(str(tmp_path / "plain"), offloaded=False, sharded=True)
-    ranks = _fit(str(tmp_path / "lms"), offloaded=True, sharded=True)
+    plain = _fit(str(tmp_path / "plain"), offloaded=False, kind="fsdp")
+    ranks = _fit(str(tmp_path / "lms"), offloaded=True, kind="fsdp")
     for rank, report in enumerate(ranks):
         assert "fully_shard" in report["refused"] and report["plan"] is None
         stats = report["stats"]
         assert stats.offloaded_tensors > 0 and stats.peak_resident_saved_bytes <= 2 * 2**20
         assert stats.kept_tensors > 0  # the gathered weights stay where FSDP put them
+        assert report["spill_files"] == []
+        for a, b in zip(plain[rank]["params"], report["params"], strict=True):
+            assert same_bits(a, b)
+
+
+def test_tensor_parallel_steps_move_the_dtensors_saved_bitwise(tmp_path):
+    """Every saved activation moves, the DTensors' local shards too: as many storages as the
+    same model unsplit moves, in one process."""
+    alone = _feedforward_model()
+    batch = [torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(0))]
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, spill_dir=str(spill))
+    for _ in range(2):
+        with offload:
+            _regression_step(alone, batch)
+    offload.close()
+    moved = offload.stats.offloaded_tensors
+    # each block: its norm's input, mean and rstd, the GELU's input, the projections' inputs
+    assert moved >= 2 * 6 * len(alone)
+    plain = _fit(str(tmp_path / "plain"), offloaded=False, kind="tp")
+    ranks = _fit(str(tmp_path / "lms"), offloaded=True, kind="tp")
+    for rank, report in enumerate(ranks):
+        assert report["stats"].offloaded_tensors == moved, rank
         assert report["spill_files"] == []
         for a, b in zip(plain[rank]["params"], report["params"], strict=True):
             assert same_bits(a, b)

@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 import lms
-from tests.conftest import assert_bitwise, run_step, spill_files
+from tests.conftest import assert_bitwise, run_step, same_bits, spill_files
 
 
 class Square(torch.autograd.Function):
@@ -377,3 +377,49 @@ def test_compiled_model_bitwise(spill_dir):
         assert_bitwise(ref, run_step(compiled, (x,), offload))
     assert offload.stats.offloaded_tensors > 0
     offload.close()
+
+
+@pytest.mark.parametrize("retain", [False, True], ids=["once", "retain_graph"])
+def test_a_subclass_wrapping_tensors_moves_them_and_comes_back_bitwise(retain, spill_dir):
+    # Note [Subclasses move by their inner tensors], with a subclass that wraps two tensors
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    generator = torch.Generator().manual_seed(0)
+
+    def pair(*shape):
+        return two_tensor.TwoTensor(*(torch.randn(*shape, generator=generator) for _ in "ab"))
+
+    x = pair(64, 128)
+    weights = [pair(128, 256).requires_grad_(), pair(256, 32).requires_grad_()]
+
+    def step(ctx):
+        for weight in weights:
+            weight.grad = None
+        with ctx:
+            loss = ((x @ weights[0]).tanh() @ weights[1]).square().mean()
+            loss.backward(retain_graph=retain)
+            if retain:
+                loss.backward()
+        return [part.clone() for w in weights for part in (w.grad.a, w.grad.b)]
+
+    ref = step(contextlib.nullcontext())
+    offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, spill_dir=spill_dir)
+    for _ in range(2):
+        assert all(same_bits(a, b) for a, b in zip(ref, step(offload), strict=True))
+    # each step moves two storages for each of tanh's output and the second product's, and the
+    # batch's in the first step only (the caller holds it); the second weight, saved by the
+    # product that reads it, stays (the first is not saved: nothing needs the batch's gradient)
+    assert offload.stats.offloaded_tensors == 6 + 4
+    assert offload.stats.kept_tensors == 2
+    offload.close()
+    assert spill_files(spill_dir) == []
+
+
+def test_a_subclass_wrapping_tensors_changed_in_place_is_refused(spill_dir):
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    x = two_tensor.TwoTensor(torch.randn(256, 256), torch.randn(256, 256)).requires_grad_()
+    offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, spill_dir=spill_dir)
+    with pytest.raises(lms.SavedTensorChangedError), offload:
+        _changed_after_save(x).backward()
+    assert offload.stats.offloaded_tensors == 2
+    offload.close()
+    assert spill_files(spill_dir) == []

@@ -42,6 +42,12 @@ def test_a_saved_tensor_changed_in_place_is_refused_on_cuda(sync_mode):
     offload.close()
 
 
+def test_a_subclass_wrapping_tensors_moves_them_on_cuda():
+    from tests.runtime.test_equivalence import check_a_subclass_moves_by_its_inner_tensors
+
+    check_a_subclass_moves_by_its_inner_tensors("cuda", tier="host")
+
+
 def test_stream_race_stress_low_arithmetic_density():
     """Many cheap elementwise layers: copies and frees race compute unless ordered by events."""
     torch.manual_seed(0)

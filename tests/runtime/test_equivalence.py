@@ -379,14 +379,15 @@ def test_compiled_model_bitwise(spill_dir):
     offload.close()
 
 
-@pytest.mark.parametrize("retain", [False, True], ids=["once", "retain_graph"])
-def test_a_subclass_wrapping_tensors_moves_them_and_comes_back_bitwise(retain, spill_dir):
-    # Note [Subclasses move by their inner tensors], with a subclass that wraps two tensors
+def check_a_subclass_moves_by_its_inner_tensors(device, retain=False, **settings):
+    """Two steps of products and tanh over tensors that wrap two tensors each (Note [Subclasses
+    move by their inner tensors]), under LMS: bitwise those of the plain step."""
     two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
     generator = torch.Generator().manual_seed(0)
 
     def pair(*shape):
-        return two_tensor.TwoTensor(*(torch.randn(*shape, generator=generator) for _ in "ab"))
+        made = (torch.randn(*shape, generator=generator).to(device) for _ in "ab")
+        return two_tensor.TwoTensor(*made)
 
     x = pair(64, 128)
     weights = [pair(128, 256).requires_grad_(), pair(256, 32).requires_grad_()]
@@ -402,7 +403,7 @@ def test_a_subclass_wrapping_tensors_moves_them_and_comes_back_bitwise(retain, s
         return [part.clone() for w in weights for part in (w.grad.a, w.grad.b)]
 
     ref = step(contextlib.nullcontext())
-    offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, spill_dir=spill_dir)
+    offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, **settings)
     for _ in range(2):
         assert all(same_bits(a, b) for a, b in zip(ref, step(offload), strict=True))
     # each step moves two storages for each of tanh's output and the second product's, and the
@@ -411,6 +412,11 @@ def test_a_subclass_wrapping_tensors_moves_them_and_comes_back_bitwise(retain, s
     assert offload.stats.offloaded_tensors == 6 + 4
     assert offload.stats.kept_tensors == 2
     offload.close()
+
+
+@pytest.mark.parametrize("retain", [False, True], ids=["once", "retain_graph"])
+def test_a_subclass_wrapping_tensors_moves_them_and_comes_back_bitwise(retain, spill_dir):
+    check_a_subclass_moves_by_its_inner_tensors("cpu", retain, spill_dir=spill_dir)
     assert spill_files(spill_dir) == []
 
 

@@ -299,7 +299,7 @@ class LMS:
     def _hold(self, step: Step, tensor: torch.Tensor) -> Any:
         """What autograd holds instead of ``tensor``, saved now (under the lock)."""
         if self._keep(tensor):
-            wrapped = None if self.plan is not None else self._wrap(step, tensor)
+            wrapped = None if self._follow.following(step) else self._wrap(step, tensor)
             if wrapped is not None:
                 return wrapped
             self.stats.kept_tensors += 1

@@ -26,11 +26,12 @@ Note: [Pinned to the byte]
     buffer the pool lets go of stays pinned beside the one that replaces it, so the memory
     pinned can pass the host budget, and the host, long before the pool's count does. Buffers
     above 2 MiB are therefore plain host memory of exactly their size, page-locked with
-    ``cudaHostRegister`` when made and unlocked with ``cudaHostUnregister`` when the pool drops
-    them, after their last copy has completed. Smaller ones come from PyTorch's allocator, whose
-    power of two is their size already. Registering a buffer first faults its pages in, one
-    thread for all of them; PyTorch's intra-op threads fault them in first (zeroing them), so
-    that registering only locks them.
+    ``cudaHostRegister`` when made (portable: pinned for every device of the process, as a model
+    split over several has its copies on each) and unlocked with ``cudaHostUnregister`` when
+    the pool drops them, after their last copy has completed. Smaller ones come from PyTorch's
+    allocator, whose power of two is their size already. Registering a buffer first faults its
+    pages in, one thread for all of them; PyTorch's intra-op threads fault them in first
+    (zeroing them), so that registering only locks them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 __all__ = ["CopyEngine", "pin_host", "unpin_host"]
 
 _OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation
+_PORTABLE = 1  # cudaHostRegisterPortable
 _PAGE = 4096
 
 
@@ -50,7 +52,7 @@ def pin_host(nbytes: int) -> torch.Tensor | None:
     the host refuses to lock more memory."""
     buf = page_aligned(nbytes)
     buf.zero_()  # its pages faulted in on every intra-op thread
-    code = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0))
+    code = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, _PORTABLE))
     if code == 0:
         return buf
     _forget_error()

@@ -111,7 +111,7 @@ class Offloader:
         self.sync_out = sync_out
         self._pool: HostPool | None = None
         self._disk: SpillStore | None = None
-        self._engine: Any = None
+        self._engines: dict[torch.device, Any] = {}  # a copy engine for each CUDA device
         self._pending: list[Entry] = []
         self._error: BaseException | None = None
         self.disk_bytes = 0
@@ -134,11 +134,14 @@ class Offloader:
         return self._disk
 
     def _engine_for(self, device: torch.device) -> Any:
-        if self._engine is None:
+        """The streams of ``device``: a model split over several devices in one process has
+        its tensors copied on their own device's streams, and brought back there."""
+        engine = self._engines.get(device)
+        if engine is None:
             from lms.runtime._cuda import CopyEngine
 
-            self._engine = CopyEngine(device)
-        return self._engine
+            engine = self._engines[device] = CopyEngine(device)
+        return engine
 
     def _uses_disk(self, device: torch.device) -> bool:
         return self.tier == "disk" or (self.tier == "auto" and device.type == "cpu")

@@ -42,7 +42,7 @@ def _offloaded(offloader):
 def test_a_copy_in_queued_while_its_copy_out_runs_waits_for_it():
     offloader = Offloader(tier="host", host_limit_bytes=2**20, spill_dir=None, sync_out=False)
     engine = Engine()
-    offloader._engine = engine
+    offloader._engines[torch.device("cuda")] = engine
     entry = _offloaded(offloader)
     copy_out = entry.pending_out
     assert offloader.prefetch(entry)
@@ -53,9 +53,29 @@ def test_a_copy_in_queued_while_its_copy_out_runs_waits_for_it():
 def test_a_copy_in_after_its_copy_out_was_seen_done_waits_for_nothing():
     offloader = Offloader(tier="host", host_limit_bytes=2**20, spill_dir=None, sync_out=False)
     engine = Engine()
-    offloader._engine = engine
+    offloader._engines[torch.device("cuda")] = engine
     entry = _offloaded(offloader)
     offloader.wait_oldest()
     assert entry.pending_out is None and entry.storage is None
     assert offloader.prefetch(entry)
     assert engine.after == [None]
+
+
+def test_each_device_has_its_own_streams(monkeypatch):
+    # a model split over two devices in one process: each tensor is copied on its own device's
+    # streams, and a copy in allocates there
+    import lms.runtime._cuda
+
+    made = []
+
+    class Streams:
+        def __init__(self, device):
+            self.device = device
+            made.append(device)
+
+    monkeypatch.setattr(lms.runtime._cuda, "CopyEngine", Streams)
+    offloader = Offloader(tier="host", host_limit_bytes=2**20, spill_dir=None, sync_out=False)
+    first, second = torch.device("cuda", 0), torch.device("cuda", 1)
+    engines = [offloader._engine_for(d) for d in (first, second, first, second)]
+    assert [engine.device for engine in engines] == [first, second, first, second]
+    assert made == [first, second]

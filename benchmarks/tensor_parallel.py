@@ -6,7 +6,10 @@ the same 2048 tokens. Each configuration runs in two fresh processes (a warm-up 
 ``--steps`` measured: the median step time and each rank's largest growth of the C heap in use),
 and the configurations alternate over ``--repeats`` rounds:
 - plain: no offload;
-- lms: ``LMS(budget=--budget, tier="disk")`` on each rank.
+- lms: ``LMS(budget=--budget, tier="disk")`` on each rank;
+- save_on_cpu: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, the peer; its pack hook
+  copies each saved tensor into a plain tensor of the same (global) shape, which a DTensor
+  refuses, so the error is what it records.
 
 It also counts what one step saves on a rank, by storage: how many bytes are plain tensors and how
 many are DTensors' local shards (which the runtime kept whole before it moved subclasses by their
@@ -19,11 +22,13 @@ and the batch the budget also counts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -104,14 +109,21 @@ def _rank(rank: int, config: str, args: argparse.Namespace, folder: str) -> None
 
         def step() -> None:
             model.zero_grad(set_to_none=True)
-            with (
-                offload
-                if offload is not None
-                else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-            ):
+            if config == "save_on_cpu":
+                context: Any = torch.autograd.graph.save_on_cpu(pin_memory=True)
+            else:
+                context = offload if offload is not None else contextlib.nullcontext()
+            with context:
                 model(x).square().mean().backward()
 
-        step()  # warm-up; under LMS, the recorded step
+        result: dict[str, Any] = {"rank": rank}
+        try:
+            step()  # warm-up; under LMS, the recorded step
+        except RuntimeError as error:  # the same op fails on every rank, so none waits
+            result["error"] = f"{type(error).__name__}: {error}"
+            with open(os.path.join(folder, f"rank{rank}.json"), "w") as out:
+                json.dump(result, out)
+            return
         times, growths = [], []
         for _ in range(args.steps):
             with PeakMemory() as peak:
@@ -119,8 +131,7 @@ def _rank(rank: int, config: str, args: argparse.Namespace, folder: str) -> None
                 step()
                 times.append(time.perf_counter() - begin)
             growths.append(peak.growth_bytes)
-        result = {
-            "rank": rank,
+        result |= {
             "step_s": statistics.median(times),
             "growth_bytes": max(growths),
             "start_bytes": start_bytes,
@@ -157,6 +168,8 @@ def main() -> None:
     args = parser.parse_args()
 
     runs: dict[str, list[list[dict]]] = {"plain": [], "lms": []}
+    peer = _run("save_on_cpu", args)
+    print(f"save_on_cpu(pin_memory=True): {peer[0].get('error', 'ran')}", flush=True)
     for repeat in range(args.repeats):
         order = list(runs) if repeat % 2 == 0 else list(runs)[::-1]
         for config in order:
@@ -191,6 +204,7 @@ def main() -> None:
         "plain_growth_bytes": max(r["growth_bytes"] for ranks in runs["plain"] for r in ranks),
         "lms_growth_bytes": max(r["growth_bytes"] for ranks in runs["lms"] for r in ranks),
         "lms_offloaded_bytes_per_step": first["stats"]["offloaded_bytes"] / (args.steps + 1),
+        "save_on_cpu": peer,
         "runs": runs,
     }
     room = budget - first["start_bytes"]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from lms._units import parse_bytes
-from lms.analysis.devices import DeviceSpec, device_spec
+from lms.analysis.devices import LINK_MARGIN, DeviceSpec, device_spec
 from lms.analysis.records import Trace
 from lms.analysis.simulate import SimResult, runtime_plan, simulate
 from lms.analysis.trace import StepFn, trace_step
@@ -39,6 +39,9 @@ class Report:
     tune_seconds: float
     free_held: bool = False
     """Whether plans may empty what the step's code holds (`analyze`'s ``free_held``)."""
+    slow_link: SimResult | None = None
+    """The plan simulated with the link and the disk at `LINK_MARGIN` of their rates, where it
+    moves data over them (Note [A plan's margin on the link])."""
 
     @property
     def needed(self) -> bool:
@@ -64,6 +67,7 @@ class Report:
             self.planned,
             budget_bytes=self.budget_bytes,
             free_held=self.free_held,
+            slow_link=self.slow_link,
         )
 
     def log(self, logger: logging.Logger = log) -> None:
@@ -123,6 +127,9 @@ class Report:
             "host_memory_bytes": self.spec.host_memory_bytes,
             "predicted_step_s": (planned or self.plain).step_s,
             "predicted_overhead": planned.overhead if planned else 0.0,
+            "predicted_overhead_slow_link": (
+                self.slow_link.overhead if planned and self.slow_link else None
+            ),
             "plan": dataclasses.asdict(self.plan) if self.plan and planned else None,
         }
 
@@ -245,8 +252,20 @@ def report_for(
             use_order=trace.use_order,
         )
     tune_seconds = time.perf_counter() - started
+    slow_link = None
+    if planned is not None and (planned.offloaded_bytes or planned.relieved_bytes):
+        slow_link = simulate(trace, plan, spec.with_link_scaled(LINK_MARGIN), half=half)
     report = Report(
-        trace, spec, budget, plain, plan, planned, trace_seconds, tune_seconds, free_held
+        trace,
+        spec,
+        budget,
+        plain,
+        plan,
+        planned,
+        trace_seconds,
+        tune_seconds,
+        free_held,
+        slow_link,
     )
     for line in report.lines()[len(head) :]:
         log.info("%s", line)

@@ -6,9 +6,18 @@ import dataclasses
 
 from lms._units import bucket_bytes, parse_bytes
 
-__all__ = ["DeviceSpec", "DEVICES", "device_spec"]
+__all__ = ["DeviceSpec", "DEVICES", "LINK_MARGIN", "device_spec"]
 
 GiB = 1024**3
+
+
+# Note: [A plan's margin on the link]
+# A plan is priced at the link's and the disk's rates as the spec gives them (a datasheet's, or
+# measured on the card), and copies reach less under contention (another process's transfers,
+# a shared PCIe switch, a busy page cache). The report prices the same plan again with both at
+# 80% of their rates, so that a plan whose copies hide behind compute with no room to spare
+# shows it: the time that plan would take, not another plan made for the slower link.
+LINK_MARGIN = 0.8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,6 +65,17 @@ class DeviceSpec:
         """The same device with ``memory`` of host memory for offloaded data (None: no limit)."""
         host = None if memory is None else parse_bytes(memory, field="host_memory")
         return dataclasses.replace(self, host_memory_bytes=host)
+
+    def with_link_scaled(self, factor: float) -> DeviceSpec:
+        """The same device with its link to host memory, and its spill disk, ``factor`` times
+        as fast."""
+        return dataclasses.replace(
+            self,
+            d2h_gbps=self.d2h_gbps * factor,
+            h2d_gbps=self.h2d_gbps * factor,
+            disk_write_gbps=self.disk_write_gbps * factor,
+            disk_read_gbps=self.disk_read_gbps * factor,
+        )
 
     def host_copy_bytes(self, nbytes: int) -> int:
         """Host memory an offloaded copy of ``nbytes`` takes: on a GPU, the runtime's pinned

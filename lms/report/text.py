@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lms._units import format_bytes
-from lms.analysis.devices import DeviceSpec
+from lms.analysis.devices import LINK_MARGIN, DeviceSpec
 from lms.analysis.recompute import recipes
 from lms.analysis.records import Trace
 from lms.analysis.simulate import SimResult
@@ -21,6 +21,7 @@ def info_lines(
     *,
     budget_bytes: int,
     free_held: bool = False,
+    slow_link: SimResult | None = None,
 ) -> list[str]:
     """The lines, without the logger's prefix."""
     largest = trace.largest_op
@@ -116,4 +117,10 @@ def info_lines(
         f"({planned.overhead:+.1%}, {planned.wait_s * 1e3:.1f} ms waiting for copies) "
         f"over {spec.link}",
     ]
+    if slow_link is not None:
+        lines.append(
+            f"[LMS] With the link and the disk at {LINK_MARGIN:.0%} of those rates: "
+            f"{slow_link.step_s * 1e3:.1f} ms ({slow_link.overhead:+.1%}, "
+            f"{slow_link.wait_s * 1e3:.1f} ms waiting for copies)"
+        )
     return lines

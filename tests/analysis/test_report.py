@@ -121,6 +121,18 @@ def test_slower_link_costs_more_time(report):
     assert slow.overhead > fast.overhead
 
 
+def test_the_report_prices_its_plan_again_on_a_slower_link(report):
+    # Note [A plan's margin on the link]: the same plan, its copies at 80% of the rates
+    slow, planned = report.slow_link, report.planned
+    assert report.plan.offload and slow is not None
+    assert slow.offloaded_bytes == planned.offloaded_bytes  # the same plan
+    assert slow.step_s >= planned.step_s and slow.base_step_s == planned.base_step_s
+    assert f"{slow.overhead:+.1%}" in report.lines()[-1]
+    assert report.as_dict()["predicted_overhead_slow_link"] == slow.overhead
+    roomy = analyze(deep, lambda: [torch.randn(1, 3, 32, 32)], device_spec="v100-16gb")
+    assert roomy.slow_link is None and "80%" not in "\n".join(roomy.lines())
+
+
 def test_measured_compute_prices_ops_and_hides_copies(report):
     # What a convolution and an add reach here, and what that does to the prediction.
     from lms.tuning import measure_compute

@@ -429,3 +429,14 @@ def test_a_subclass_wrapping_tensors_changed_in_place_is_refused(spill_dir):
     assert offload.stats.offloaded_tensors == 2
     offload.close()
     assert spill_files(spill_dir) == []
+
+
+def test_a_subclass_saved_inside_no_offload_stays_whole(spill_dir):
+    two_tensor = pytest.importorskip("torch.testing._internal.two_tensor")
+    x = two_tensor.TwoTensor(torch.randn(256, 256), torch.randn(256, 256)).requires_grad_()
+    offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, spill_dir=spill_dir)
+    with offload, lms.no_offload():
+        x.exp().sin().sum().backward()
+    assert offload.stats.offloaded_tensors == 0
+    assert offload.stats.kept_tensors == offload.stats.saved_tensors == 2
+    offload.close()

@@ -65,7 +65,8 @@ def _saved_by_kind(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
     """Bytes of the distinct storages one step saves for backward, plain and inside DTensors
     (parameters and their views left out)."""
     fixed = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, str] = {}
+    seen: dict[int, str] = {}  # storage address: plain or dtensor
+    sizes: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         kind, local = "plain", tensor
@@ -77,7 +78,6 @@ def _saved_by_kind(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
             sizes[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    sizes: dict[int, int] = {}
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         model(x).square().mean().backward()
     model.zero_grad(set_to_none=True)

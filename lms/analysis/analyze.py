@@ -127,9 +127,7 @@ class Report:
             "host_memory_bytes": self.spec.host_memory_bytes,
             "predicted_step_s": (planned or self.plain).step_s,
             "predicted_overhead": planned.overhead if planned else 0.0,
-            "predicted_overhead_slow_link": (
-                self.slow_link.overhead if planned and self.slow_link else None
-            ),
+            "predicted_overhead_slow_link": self.slow_link.overhead if self.slow_link else None,
             "plan": dataclasses.asdict(self.plan) if self.plan and planned else None,
         }
 

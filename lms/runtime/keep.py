@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
     "Keep",
+    "is_weight",
     "no_offload",
     "no_offload_in",
     "offload_blocked",
@@ -153,8 +154,7 @@ class Keep:
         activation, large enough, in a layout it copies."""
         if type(tensor) is not torch.Tensor:  # parameters, subclasses, fake tensors
             return False
-        base = tensor if tensor._base is None else tensor._base
-        if base.is_leaf and base.requires_grad:  # a parameter, or a view of one (weight.t())
+        if is_weight(tensor):
             return False
         if tensor.layout != torch.strided:
             return False
@@ -170,15 +170,27 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 """Types whose storage is their own (most parameters and buffers): no subclass to look into."""
 
 
-def wrapped_parts(tensor: torch.Tensor) -> tuple[dict[str, Any], Any] | None:
+def wrapped_parts(
+    tensor: torch.Tensor,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], Any] | None:
     """What a tensor subclass that wraps others and has no storage of its own (a DTensor, FSDP's
-    sharded parameters) is made of: its inner tensors and the other objects its
-    ``__tensor_unflatten__`` takes back (a DTensor's device mesh) by name, and the context it
+    sharded parameters) is made of: its inner tensors by name, the other objects its
+    ``__tensor_unflatten__`` takes back by name (a DTensor's device mesh), and the context it
     takes with them; None for any other tensor."""
     if not is_traceable_wrapper_subclass(tensor):
         return None
     names, context = tensor.__tensor_flatten__()
-    return {name: getattr(tensor, name) for name in names}, context
+    parts = {name: getattr(tensor, name) for name in names}
+    inner = {name: part for name, part in parts.items() if isinstance(part, torch.Tensor)}
+    others = {name: part for name, part in parts.items() if name not in inner}
+    return inner, others, context
+
+
+def is_weight(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a leaf that needs a gradient (a parameter), or a view of one
+    (``weight.t()``): saves of those stay."""
+    base = tensor if tensor._base is None else tensor._base
+    return bool(base.is_leaf and base.requires_grad)
 
 
 def _storage_ptrs(tensor: torch.Tensor) -> list[int]:
@@ -187,9 +199,4 @@ def _storage_ptrs(tensor: torch.Tensor) -> list[int]:
     wrapped = wrapped_parts(tensor)
     if wrapped is None:
         return [tensor.untyped_storage().data_ptr()]
-    return [
-        ptr
-        for part in wrapped[0].values()
-        if isinstance(part, torch.Tensor)
-        for ptr in _storage_ptrs(part)
-    ]
+    return [ptr for part in wrapped[0].values() for ptr in _storage_ptrs(part)]

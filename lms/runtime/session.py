@@ -25,6 +25,7 @@ from lms.runtime.follow import Follow
 from lms.runtime.junctions import in_backward
 from lms.runtime.keep import (
     Keep,
+    is_weight,
     leave_modules,
     no_offload,
     no_offload_in,
@@ -327,14 +328,11 @@ class LMS:
         """A subclass that wraps plain tensors, held by its inner tensors where one of them may
         move (Note [Subclasses move by their inner tensors]); None: kept whole."""
         wrapped = wrapped_parts(tensor)
-        base = tensor if tensor._base is None else tensor._base
-        if wrapped is None or offload_blocked() or (base.is_leaf and base.requires_grad):
-            return None  # not a subclass, or a weight or a view of one
-        parts, context = wrapped
-        inner = {name: t for name, t in parts.items() if isinstance(t, torch.Tensor)}
+        if wrapped is None or offload_blocked() or is_weight(tensor):
+            return None
+        inner, others, context = wrapped
         if not any(self._keep.movable(t) or wrapped_parts(t) is not None for t in inner.values()):
             return None
-        others = {name: part for name, part in parts.items() if name not in inner}
         held = {name: self._hold(step, t) for name, t in inner.items()}
         return Wrapped(tensor, held, others, context)
 

@@ -136,9 +136,9 @@ class Wrapped:
         self.stride = tensor.stride()
         self.version = tensor._version
         self.watch: torch.Tensor | None = tensor.detach()
+        empty = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
         try:
             for name in held:
-                empty = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
                 setattr(self.watch, name, empty)
         except (AttributeError, TypeError):  # a subclass that refuses: its inner tensors' checks
             self.watch = None
@@ -176,7 +176,7 @@ def storage_bytes(tensor: torch.Tensor) -> int:
         wrapped = wrapped_parts(tensor)
         if wrapped is None:
             return 0
-        return sum(storage_bytes(t) for t in wrapped[0].values() if isinstance(t, torch.Tensor))
+        return sum(storage_bytes(t) for t in wrapped[0].values())
     if tensor.layout != torch.strided:
         return 0
     return int(tensor.untyped_storage().nbytes())

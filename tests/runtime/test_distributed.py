@@ -53,6 +53,10 @@ def _feedforward_model():
     return nn.Sequential(Feedforward(), Feedforward())
 
 
+def _feedforward_batch():
+    return [torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(0))]
+
+
 def _regression_step(model, batch):
     loss = model(batch[0]).square().mean()
     loss.backward()
@@ -83,23 +87,23 @@ def _worker(rank, folder, offloaded, kind):
 
 def _train(rank, folder, offloaded, kind):
     """Two steps on this rank; saves what the test compares to ``rank{rank}.pt``."""
-    model = _model()  # seeds the labels drawn next
-    generator = torch.Generator().manual_seed(rank)  # each rank its own shard
-    batch = [torch.randn(4, 8, 32, 32, generator=generator), torch.randint(0, 10, (4,))]
-    step = _step
+    if kind == "tp":  # each block's projections split over the ranks, the batch the same
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = parallel = _feedforward_model()
+        for block in model:
+            parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        batch, step = _feedforward_batch(), _regression_step
+    else:
+        model = _model()  # seeds the labels drawn next
+        generator = torch.Generator().manual_seed(rank)  # each rank its own shard
+        batch = [torch.randn(4, 8, 32, 32, generator=generator), torch.randint(0, 10, (4,))]
+        step = _step
     if kind == "fsdp":  # FSDP2: each convolution and the classifier, then the rest, over the ranks
         mesh = init_device_mesh("cpu", (WORLD,))
         for layer in [*(block.conv for block in model[:4]), model[-1]]:
             fully_shard(layer, mesh=mesh)  # called with its parameters sharded (DTensors)
         parallel = fully_shard(model, mesh=mesh)
-    elif kind == "tp":  # each block's projections split over the ranks, the batch the same
-        mesh = init_device_mesh("cpu", (WORLD,))
-        model = parallel = _feedforward_model()
-        for block in model:
-            parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        batch = [torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(0))]
-        step = _regression_step
-    else:
+    elif kind == "ddp":
         parallel = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(parallel.parameters(), lr=0.1)
     offload = None
@@ -167,8 +171,7 @@ def test_sharded_steps_are_bitwise_within_the_budget_and_tuning_is_refused(tmp_p
 def test_tensor_parallel_steps_move_the_dtensors_saved_bitwise(tmp_path):
     """Every saved activation moves, the DTensors' local shards too: as many storages as the
     same model unsplit moves, in one process."""
-    alone = _feedforward_model()
-    batch = [torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(0))]
+    alone, batch = _feedforward_model(), _feedforward_batch()
     spill = tmp_path / "spill"
     spill.mkdir()
     offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, spill_dir=str(spill))

@@ -40,11 +40,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lms-hooks-") as spill:  # the plan cache, too
+        result = _measure(spill, rounds=args.rounds, steps=args.steps)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2)
 
+
+def _measure(spill: str, *, rounds: int, steps: int) -> dict[str, object]:
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(100) for m in (nn.Linear(64, 64), nn.ReLU())])
     batch = [torch.randn(64, 64)]
-    spill = tempfile.mkdtemp(prefix="lms-hooks-")
     light = lms.LMS(budget="1GiB", min_offload_bytes=0, spill_dir=spill)
     plan = light.tune(model, batch, _step, cache_dir=spill)
     assert not plan.offload, "a roomy budget should move nothing"
@@ -70,15 +76,15 @@ def main() -> None:
     for run in configs.values():  # warm-up; the LMS objects' first steps
         run()
     times: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, run in configs.items():
             started = time.perf_counter()
-            for _ in range(args.steps):
+            for _ in range(steps):
                 run()
-            times[name].append((time.perf_counter() - started) / args.steps)
+            times[name].append((time.perf_counter() - started) / steps)
     plain = statistics.median(times["plain"])
     saved = light.stats.saved_tensors // light.stats.steps
-    result = {"saved_tensors_a_step": saved, "plain_ms": plain * 1e3}
+    result: dict[str, object] = {"saved_tensors_a_step": saved, "plain_ms": plain * 1e3}
     for name, values in times.items():
         step = statistics.median(values)
         extra = step - plain
@@ -89,9 +95,7 @@ def main() -> None:
     assert full.stats.offloaded_tensors > 0, "the full configuration moves a storage each step"
     light.close()
     full.close()
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
+    return result
 
 
 if __name__ == "__main__":

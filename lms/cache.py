@@ -42,16 +42,18 @@ def cache_folder(cache_dir: str | None = None) -> str:
 @functools.cache
 def planner_code() -> str:
     """A short hash of the sources that choose and check plans (``lms/planning``,
-    ``lms/analysis``): a plan kept by other code is tuned again, though the release is the same
-    (an editable install, a checkout moved on), and would otherwise be followed as it was."""
+    ``lms/analysis`` and the units they size buffers in, ``lms/_units.py``): a plan kept by other
+    code is tuned again, though the release is the same (an editable install, a checkout moved
+    on), and would otherwise be followed as it was."""
     digest = hashlib.sha256()
     root = os.path.dirname(os.path.abspath(__file__))
+    sources = ["_units.py"]
     for package in ("planning", "analysis"):
-        folder = os.path.join(root, package)
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".py"):
-                with open(os.path.join(folder, name), "rb") as source:
-                    digest.update(f"{package}/{name}\0".encode() + source.read())
+        names = sorted(os.listdir(os.path.join(root, package)))
+        sources += [f"{package}/{name}" for name in names if name.endswith(".py")]
+    for path in sources:
+        with open(os.path.join(root, path), "rb") as source:
+            digest.update(f"{path}\0".encode() + source.read())
     return digest.hexdigest()[:12]
 
 

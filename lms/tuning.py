@@ -22,6 +22,7 @@ from lms.analysis.trace import StepFn, trace_step
 from lms.cache import cache_folder, cache_path, load_cached, planner_code, save_plan
 from lms.errors import HostMemoryError, SpillError
 from lms.plan import Plan
+from lms.runtime._cuda import pin_host, unpin_host
 
 __all__ = [
     "ComputeRates",
@@ -36,18 +37,34 @@ log = logging.getLogger("lms.tuning")
 
 
 def measure_link_gbps(device: torch.device, nbytes: int = 256 * 1024**2) -> tuple[float, float]:
-    """Device-to-host and host-to-device copy rates (GB/s) between pinned memory and ``device``."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    rates = []
-    for dst, src in ((host, dev), (dev, host)):
-        dst.copy_(src, non_blocking=True)  # warm-up
+    """Device-to-host and host-to-device copy rates (GB/s) between pinned memory and ``device``.
+
+    The host buffer is pinned as the runtime pins its own (Note [Pinned to the byte]) and
+    unpinned after: PyTorch's pinned allocator would keep it pinned for the life of the process.
+
+    Raises:
+        HostMemoryError: the host refuses to pin ``nbytes``.
+    """
+    host = pin_host(nbytes)
+    if host is None:
+        raise HostMemoryError(
+            f"lms: the host refused to pin {format_bytes(nbytes)} to measure the link to "
+            f"{device}; free host memory and tune again"
+        )
+    try:
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        rates = []
+        for dst, src in ((host, dev), (dev, host)):
+            dst.copy_(src, non_blocking=True)  # warm-up
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(3):
+                dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+            rates.append(3 * nbytes / (time.perf_counter() - start) / 1e9)
+    finally:
         torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(3):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(device)
-        rates.append(3 * nbytes / (time.perf_counter() - start) / 1e9)
+        unpin_host(host)
     return rates[0], rates[1]
 
 

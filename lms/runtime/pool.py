@@ -44,7 +44,10 @@ def _empty(nbytes: int, pin: bool) -> torch.Tensor:
 def _unpin_all(registered: dict[int, torch.Tensor]) -> None:
     """Unpin what a pool registered and still holds, when the pool goes (in use or idle)."""
     if registered and torch.cuda.is_initialized():
-        torch.cuda.synchronize()  # no copy may still be reading or writing them
+        # No copy on any device may still be reading or writing them: the buffers are portable
+        # (Note [Pinned to the byte]), and a model split over devices copies on each.
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(device)
     for buf in registered.values():
         unpin_host(buf)
     registered.clear()

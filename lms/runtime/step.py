@@ -68,6 +68,17 @@ class Kept:
         return tensor
 
 
+_EMPTY: dict[torch.device, torch.UntypedStorage] = {}
+
+
+def _empty_storage(device: torch.device) -> torch.UntypedStorage:
+    """One storage of no bytes on ``device``, shared by every watch there: nothing writes to it."""
+    storage = _EMPTY.get(device)
+    if storage is None:
+        storage = _EMPTY[device] = torch.UntypedStorage(0, device=device)
+    return storage
+
+
 class Handle:
     """What autograd holds instead of a saved tensor: its storage entry and view geometry."""
 
@@ -83,9 +94,9 @@ class Handle:
         self.offset = tensor.storage_offset()
         self.version = tensor._version
         self.watch = tensor.detach()
-        with torch.autograd._unsafe_preserve_version_counter(self.watch):
-            empty = torch.UntypedStorage(0, device=tensor.device)
-            self.watch.set_(empty, 0, (0,), (1,))  # its own empty storage; the counter stays
+        # An empty storage instead of its own; set_ moves the shared counter, put back at once.
+        self.watch.set_(_empty_storage(tensor.device), 0, (0,), (1,))
+        torch._C._autograd._unsafe_set_version_counter((self.watch,), (self.version,))
 
     def check(self) -> None:
         """Raise if the saved tensor changed in place (Note [Saved tensors changed in place]).

@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 import lms
+from lms.runtime._cuda import pin_host
 from tests.conftest import assert_bitwise, run_step, same_bits
 from tests.runtime.test_equivalence import make
 
@@ -148,6 +149,18 @@ def test_max_memory_allocated_is_reduced():
     peak(offload)  # the recorded step
     with_lms = peak(offload)
     assert with_lms < 0.6 * plain, (with_lms, plain)
+
+
+def test_the_link_probe_leaves_no_host_memory_pinned(monkeypatch):
+    """The probe pins its buffer as the runtime does and unpins it after (Note [Pinned to the
+    byte]), where PyTorch's pinned allocator would keep it for the life of the process."""
+    from lms import tuning
+
+    buffers = []
+    monkeypatch.setattr(tuning, "pin_host", lambda n: buffers.append(pin_host(n)) or buffers[-1])
+    d2h, h2d = tuning.measure_link_gbps(torch.device("cuda"), nbytes=64 * 1024**2)
+    assert d2h > 1 and h2d > 1, (d2h, h2d)
+    assert len(buffers) == 1 and not buffers[0].is_pinned()
 
 
 def test_local_spec_prices_compute_at_measured_rates():

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
     "Keep",
+    "host_storages",
     "is_weight",
     "no_offload",
     "no_offload_in",
@@ -124,12 +125,16 @@ class Keep:
         """Addresses of the parameters' and buffers' storages."""
         self.models = 0
         """Models noted whole (`note_model`), as `LMS.tune` does."""
+        self.host_weights: dict[int, int] = {}
+        """Bytes of the host storages of those models' parameters and buffers, by address."""
 
     def note_model(self, model: torch.nn.Module) -> None:
         """Every parameter and buffer of ``model`` stays: also those a step reads without
         calling their module (a frozen attention's out_proj.weight, read by the functional op)."""
-        for tensor in [*model.parameters(), *model.buffers()]:
+        tensors = [*model.parameters(), *model.buffers()]
+        for tensor in tensors:
             self.fixed_ptrs.update(_storage_ptrs(tensor))
+        self.host_weights.update(host_storages(tensors))
         self.models += 1
 
     def note_module(self, module: torch.nn.Module, args: object) -> None:
@@ -193,10 +198,24 @@ def is_weight(tensor: torch.Tensor) -> bool:
     return bool(base.is_leaf and base.requires_grad)
 
 
-def _storage_ptrs(tensor: torch.Tensor) -> list[int]:
-    """The addresses of the storages behind ``tensor``: its own, or for a subclass that wraps
-    others, theirs."""
+def _storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind ``tensor``: its own, or for a subclass that wraps others, theirs."""
     wrapped = wrapped_parts(tensor)
     if wrapped is None:
-        return [tensor.untyped_storage().data_ptr()]
-    return [ptr for part in wrapped[0].values() for ptr in _storage_ptrs(part)]
+        return [tensor.untyped_storage()]
+    return [storage for part in wrapped[0].values() for storage in _storages(part)]
+
+
+def _storage_ptrs(tensor: torch.Tensor) -> list[int]:
+    return [storage.data_ptr() for storage in _storages(tensor)]
+
+
+def host_storages(values: Iterable[object]) -> dict[int, int]:
+    """The bytes of each host storage (by address) behind the strided tensors among ``values``."""
+    found: dict[int, int] = {}
+    for value in values:
+        if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+            continue
+        if value.device.type == "cpu":
+            found.update((storage.data_ptr(), storage.nbytes()) for storage in _storages(value))
+    return found

@@ -25,6 +25,7 @@ from lms.runtime.follow import Follow
 from lms.runtime.junctions import in_backward
 from lms.runtime.keep import (
     Keep,
+    host_storages,
     is_weight,
     leave_modules,
     no_offload,
@@ -158,7 +159,7 @@ class LMS:
             # A tuned or named model's parameters and buffers are known already: no hook on
             # every module call (nor torch.compile's warning about global module hooks).
             self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(
-                torch.compiler.disable(self._keep.note_module)
+                torch.compiler.disable(self._note_module)
             )
         self._hooks.__enter__()
         if self.plan is not None and self.plan.recompute:
@@ -387,9 +388,7 @@ class LMS:
         self.stats.saved_bytes += entry.nbytes
         step.largest_bytes = max(step.largest_bytes, entry.nbytes)
         if step.baseline_bytes is None:
-            step.baseline_bytes = (
-                torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            )
+            step.baseline_bytes = self._baseline(step, device)
         if self._recompute(step, entry, storage):
             self._evict(step)
         elif self._follow.offloads(step, entry):
@@ -408,6 +407,32 @@ class LMS:
             self.stats.peak_resident_saved_bytes, step.resident_bytes
         )
         return entry
+
+    def _note_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        """The global module hook: ``module``'s parameters and buffers stay; the first module a
+        step calls is taken as its model, and that call's tensors as its batch (Note [What a
+        budget on the CPU starts from])."""
+        self._keep.note_module(module, args)
+        step = self._step
+        if step is not None and step.first_call is None:
+            step.first_call = host_storages([*module.parameters(), *module.buffers(), *args])
+
+    def _baseline(self, step: Step, device: torch.device) -> int:
+        """What the budget holds before ``step``'s first save on ``device``.
+
+        Note: [What a budget on the CPU starts from]
+        On a GPU the budget counts everything allocated on the device when the step first
+        saves: its weights, its batch, whatever else is there. A CPU has no such count beside the
+        whole process's, so the runtime counts what the budget does there (`LMSConfig.budget`):
+        the host storages of the models it knows (``model=``, `tune`), else of the first module
+        the step calls and the tensors that call is given, as the simulator counts what is
+        allocated before the first save.
+        """
+        if device.type == "cuda":
+            return torch.cuda.memory_allocated(device)
+        if device.type != "cpu":
+            return 0
+        return sum({**self._keep.host_weights, **(step.first_call or {})}.values())
 
     def _recompute(self, step: Step, entry: Entry, storage: torch.UntypedStorage) -> bool:
         """Drop ``entry``'s storage now and recompute it in backward, if the plan says so."""

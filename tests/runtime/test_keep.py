@@ -181,3 +181,19 @@ def test_without_a_plan_what_the_caller_holds_stays_from_the_second_step(caller_
         assert moved == [saved] * 3
     assert losses[0] == losses[1] == losses[2]
     offload.close()
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_without_a_plan_a_cpu_budget_starts_from_the_model_and_its_batch(named, tmp_path):
+    """Note [What a budget on the CPU starts from]: the models the runtime knows, else the first
+    module the step calls with the tensors it is given; a tied weight counted once."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(64, 64), nn.Linear(64, 64)
+    last.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), last)
+    x = torch.randn(256, 64)
+    known = {"model": model} if named else {}
+    offload = lms.LMS(budget="64MiB", min_offload_bytes=0, spill_dir=str(tmp_path), **known)
+    run_step(model, (x,), offload)
+    weights = (64 * 64 + 2 * 64) * 4  # one weight, two biases
+    assert offload._step.baseline_bytes == weights + (0 if named else x.numel() * 4)

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 # A channels-last conv stack (one layer: conv, then each of `layer`), its step, and the peak growth
-# of the C heap in use over each of three steps under an `LMS` (`lms.bench.memory`).
+# of the C heap in use over each of three steps (or ``steps``) under an `LMS` (`lms.bench.memory`).
 COMMON = textwrap.dedent(
     """
     import dataclasses, json, sys, torch, lms
@@ -30,9 +30,9 @@ COMMON = textwrap.dedent(
         loss.backward()
         return loss
 
-    def measured_growth(model, x, offload):
+    def measured_growth(model, x, offload, steps=3):
         peaks = []
-        for _ in range(3):
+        for _ in range(steps):
             model.zero_grad(set_to_none=True)
             with PeakMemory() as memory:
                 with offload:
@@ -113,6 +113,32 @@ SCRATCH = COMMON + textwrap.dedent(
     """
 )
 
+PLANLESS = COMMON + textwrap.dedent(
+    """
+    from lms.analysis.simulate import runtime_plan
+    # Wide linear layers on a large batch: the weights and the batch take a good part of the
+    # budget, which the runtime's own policy counts (Note [What a budget on the CPU starts from]).
+    layers = []
+    for _ in range(12):
+        layers += [torch.nn.Linear(512, 512), torch.nn.Tanh()]
+    model, x = torch.nn.Sequential(*layers), torch.randn(8192, 512)
+    budget = int(sys.argv[1]) * 2**20
+    trace = trace_step(model, [x], step, device="cpu")
+    plan = runtime_plan(trace, budget)
+    sim = simulate(trace, plan, local_device_spec(torch.device("cpu")))
+    before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
+    offload = lms.LMS(budget=budget, tier="disk", spill_dir=sys.argv[2])
+    measured, moved = [], []
+    for _ in range(3):
+        done = offload.stats.offloaded_tensors
+        measured += measured_growth(model, x, offload, steps=1)
+        moved.append(offload.stats.offloaded_tensors - done)
+    print(json.dumps({"measured": measured, "moved": moved, "planned": len(plan.offload),
+                      "simulated": sim.peak_tensor_bytes - before, "before": before,
+                      "budget": budget}))
+    """
+)
+
 
 def _run(script, *args):
     out = subprocess.run(
@@ -151,3 +177,14 @@ def test_contiguous_convolutions_scratch_is_simulated_and_kept_within_budget(tmp
     # A plan made blind to the scratch goes over the budget, as simulated with it.
     assert max(result["blind"][1:]) > result["budget"] < result["blind_simulated"], result
     assert abs(max(result["blind"][1:]) / (result["blind_simulated"] - 2**20 * 1.8) - 1) < 0.05
+
+
+def test_the_policy_without_a_plan_counts_weights_and_batch_as_simulated(tmp_path):
+    """Note [What a budget on the CPU starts from]: from its second step the runtime's own policy
+    moves what `runtime_plan` simulates it moving, and the heap grows no more than simulated
+    (before, it counted none of the 28 MiB of weights and batch, moved 6 storages where 8 were
+    simulated, and grew 17 MiB past the simulation)."""
+    result = _run(PLANLESS, "160", str(tmp_path))
+    assert result["planned"] > 0
+    assert result["moved"][1:] == [result["planned"]] * 2, result
+    assert max(result["measured"][1:]) <= result["simulated"], result

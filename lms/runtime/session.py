@@ -424,9 +424,9 @@ class LMS:
         On a GPU the budget counts everything allocated on the device when the step first
         saves: its weights, its batch, whatever else is there. A CPU has no such count beside the
         whole process's, so the runtime counts what the budget does there (`LMSConfig.budget`):
-        the host storages of the models it knows (``model=``, `tune`), else of the first module
-        the step calls and the tensors that call is given, as the simulator counts what is
-        allocated before the first save.
+        the host storages of the models it knows (``model=``, `tune`; no hook then sees the
+        batch, which goes uncounted), else of the first module the step calls and the tensors
+        that call is given, as the simulator counts what is allocated before the first save.
         """
         if device.type == "cuda":
             return torch.cuda.memory_allocated(device)

@@ -635,6 +635,21 @@ class LMS:
             format_bytes(self.stats.spilled_bytes),
             format_bytes(self.stats.peak_resident_saved_bytes),
         )
+        allowance = self._follow.allowance(step)
+        budget = self.config.budget_bytes
+        if allowance is None or budget is None or self._follow.following(step):
+            return
+        start = step.baseline_bytes or 0
+        cuda = step.entries[0].device.type == "cuda"
+        log.info(
+            "[LMS] Without a plan, the budget of %s holds %s that the step started from (%s), "
+            "%s kept free for the running op, and %s of saved tensors",
+            format_bytes(budget),
+            format_bytes(start),
+            "allocated on the device" if cuda else "weights and batch",
+            format_bytes(budget - start - allowance),
+            format_bytes(max(allowance, 0)),
+        )
 
     @property
     def spill_folder(self) -> str | None:

@@ -2,11 +2,14 @@
 `no_offload_in(module)` without touching it. The trace counts saved tensors as the runtime does,
 so a tuned plan is followed in both."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
 
 import lms
+from lms._units import format_bytes
 from lms.analysis import device_spec, simulate, trace_step
 from lms.plan import Plan
 from lms.planning import plan_auto
@@ -184,9 +187,10 @@ def test_without_a_plan_what_the_caller_holds_stays_from_the_second_step(caller_
 
 
 @pytest.mark.parametrize("named", [False, True])
-def test_without_a_plan_a_cpu_budget_starts_from_the_model_and_its_batch(named, tmp_path):
+def test_without_a_plan_a_cpu_budget_starts_from_the_model_and_its_batch(named, tmp_path, caplog):
     """Note [What a budget on the CPU starts from]: the models the runtime knows, else the first
-    module the step calls with the tensors it is given; a tied weight counted once."""
+    module the step calls with the tensors it is given; a tied weight counted once. The first
+    step says how the budget divides."""
     torch.manual_seed(0)
     first, last = nn.Linear(64, 64), nn.Linear(64, 64)
     last.weight = first.weight
@@ -194,6 +198,10 @@ def test_without_a_plan_a_cpu_budget_starts_from_the_model_and_its_batch(named, 
     x = torch.randn(256, 64)
     known = {"model": model} if named else {}
     offload = lms.LMS(budget="64MiB", min_offload_bytes=0, spill_dir=str(tmp_path), **known)
-    run_step(model, (x,), offload)
+    with caplog.at_level(logging.INFO, logger="lms"):
+        run_step(model, (x,), offload)
     weights = (64 * 64 + 2 * 64) * 4  # one weight, two biases
-    assert offload._step.baseline_bytes == weights + (0 if named else x.numel() * 4)
+    start = weights + (0 if named else x.numel() * 4)
+    assert offload._step.baseline_bytes == start
+    said = f"the budget of 64.00 MiB holds {format_bytes(start)} that the step started from"
+    assert said in caplog.text

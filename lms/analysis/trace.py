@@ -29,7 +29,7 @@ from lms.analysis.recorder import Recorder
 from lms.analysis.records import Trace
 from lms.config import AUTO_MIN_OFFLOAD_BYTES
 from lms.errors import LMSError, StepStateError, UnplannableStepError, step_failed
-from lms.runtime.keep import leave_modules
+from lms.runtime.keep import is_plain, leave_modules
 
 __all__ = ["trace_step", "default_step", "StepFn"]
 
@@ -128,7 +128,7 @@ def _shared_storages(model: torch.nn.Module) -> dict[tuple[str, int], torch.Tens
 
 
 def _storage_key(value: torch.Tensor) -> tuple[str, int] | None:
-    if type(value) not in (torch.Tensor, torch.nn.Parameter) or value.device.type == "meta":
+    if not is_plain(value) or value.device.type == "meta":
         return None
     pointer = value.untyped_storage().data_ptr()
     return (str(value.device), pointer) if pointer else None

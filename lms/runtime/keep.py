@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 __all__ = [
     "Keep",
     "host_storages",
+    "is_plain",
     "is_weight",
     "no_offload",
     "no_offload_in",
@@ -173,6 +174,11 @@ class Keep:
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 """Types whose storage is their own (most parameters and buffers): no subclass to look into."""
+
+
+def is_plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage is its own: a tensor or a parameter, not a subclass."""
+    return type(tensor) in _PLAIN
 
 
 def wrapped_parts(

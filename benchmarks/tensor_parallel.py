@@ -99,7 +99,7 @@ def _rank(rank: int, config: str, args: argparse.Namespace, folder: str) -> None
         for block in model:
             parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
         x = torch.randn(args.tokens, WIDTH, generator=torch.Generator().manual_seed(1))
-        start_bytes = tensors_bytes([*(_local(p) for p in model.parameters()), x])
+        start_bytes = tensors_bytes([*model.parameters(), x])  # DTensors by their shards
         saved = _saved_by_kind(model, x)
         offload = None
         if config == "lms":

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from lms.runtime.keep import distinct_storages
+
 __all__ = ["PeakMemory", "current_rss_bytes", "heap_in_use_bytes", "tensors_bytes"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -70,11 +72,7 @@ def heap_in_use_bytes() -> int | None:
 def tensors_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors``: what a step starts with (weights,
     buffers, the batch), which a budget counts but the heap's growth over the step leaves out."""
-    storages = {}
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        storages[(storage.device, storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
+    return sum(distinct_storages(tensors).values())
 
 
 def current_rss_bytes() -> int:

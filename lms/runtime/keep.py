@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
     "Keep",
-    "host_storages",
+    "distinct_storages",
     "is_plain",
     "is_weight",
     "no_offload",
@@ -126,8 +126,9 @@ class Keep:
         """Addresses of the parameters' and buffers' storages."""
         self.models = 0
         """Models noted whole (`note_model`), as `LMS.tune` does."""
-        self.host_weights: dict[int, int] = {}
-        """Bytes of the host storages of those models' parameters and buffers, by address."""
+        self.host_weights: dict[tuple[torch.device, int], int] = {}
+        """Bytes of the host storages of those models' parameters and buffers
+        (`distinct_storages`)."""
 
     def note_model(self, model: torch.nn.Module) -> None:
         """Every parameter and buffer of ``model`` stays: also those a step reads without
@@ -135,7 +136,7 @@ class Keep:
         tensors = [*model.parameters(), *model.buffers()]
         for tensor in tensors:
             self.fixed_ptrs.update(_storage_ptrs(tensor))
-        self.host_weights.update(host_storages(tensors))
+        self.host_weights.update(distinct_storages(tensors, device_type="cpu"))
         self.models += 1
 
     def note_module(self, module: torch.nn.Module, args: object) -> None:
@@ -145,7 +146,7 @@ class Keep:
             for tensor in table.values():
                 if tensor is None:
                     continue
-                if type(tensor) in _PLAIN:
+                if is_plain(tensor):
                     self.fixed_ptrs.add(tensor.untyped_storage().data_ptr())
                 else:
                     self.fixed_ptrs.update(_storage_ptrs(tensor))
@@ -216,12 +217,15 @@ def _storage_ptrs(tensor: torch.Tensor) -> list[int]:
     return [storage.data_ptr() for storage in _storages(tensor)]
 
 
-def host_storages(values: Iterable[object]) -> dict[int, int]:
-    """The bytes of each host storage (by address) behind the strided tensors among ``values``."""
-    found: dict[int, int] = {}
+def distinct_storages(
+    values: Iterable[object], *, device_type: str | None = None
+) -> dict[tuple[torch.device, int], int]:
+    """The bytes of each distinct storage (by device and address) behind the strided tensors
+    among ``values``, a subclass that wraps others by theirs; on ``device_type`` only, if given."""
+    found: dict[tuple[torch.device, int], int] = {}
     for value in values:
         if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
             continue
-        if value.device.type == "cpu":
-            found.update((storage.data_ptr(), storage.nbytes()) for storage in _storages(value))
+        if device_type is None or value.device.type == device_type:
+            found.update(((s.device, s.data_ptr()), s.nbytes()) for s in _storages(value))
     return found

@@ -25,7 +25,7 @@ from lms.runtime.follow import Follow
 from lms.runtime.junctions import in_backward
 from lms.runtime.keep import (
     Keep,
-    host_storages,
+    distinct_storages,
     is_weight,
     leave_modules,
     no_offload,
@@ -415,7 +415,8 @@ class LMS:
         self._keep.note_module(module, args)
         step = self._step
         if step is not None and step.first_call is None:
-            step.first_call = host_storages([*module.parameters(), *module.buffers(), *args])
+            tensors = [*module.parameters(), *module.buffers(), *args]
+            step.first_call = distinct_storages(tensors, device_type="cpu")
 
     def _baseline(self, step: Step, device: torch.device) -> int:
         """What the budget holds before ``step``'s first save on ``device``.

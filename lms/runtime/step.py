@@ -219,7 +219,8 @@ class Step:
         self.offloaded_at: list[int] = []  # positions in use_queue of offloaded entries, sorted
         self.save_level: dict[int, int] = {}
         self.baseline_bytes: int | None = None
-        self.first_call: dict[int, int] | None = None  # host storages of the first module call
+        # host storages of the first module call (`distinct_storages`)
+        self.first_call: dict[tuple[torch.device, int], int] | None = None
         self.junction_edges: dict[junctions.Edge, int] = {}
         self.saved_nodes: list[Any] = []  # grad_fn of each saved tensor, while junctions wait
         self.walked = False

@@ -447,18 +447,26 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 #   backward the output gradient plus the larger of the input and the input gradient (128.2 MiB
 #   there), plus both when strided; channels counted up to a whole block of 16. In the
 #   channels-last layout oneDNN takes activations as they are, but for twice the output gradient
-#   in a strided backward (64->128 3x3 stride 2 at 512x512: 64.6 MiB) and the output of a
-#   transposed forward.
+#   in a strided backward that makes an input gradient (64->128 3x3 stride 2 at 512x512: 64.6
+#   MiB) and the output of a transposed forward.
+# - In half precision (bfloat16 autocast; measured on a CPU with AVX-512 BF16 and no AMX) a
+#   weight gradient also takes its input and its output gradient in single precision, channels
+#   counted up to a block (64->64 3x3 at 256x256: 32 MiB on top), or both once in bfloat16 when
+#   strided or transposed; not for a first layer of fewer than 16 channels, nor for a pointwise
+#   convolution's weight gradient alone on contiguous tensors. A pointwise convolution forward
+#   on contiguous tensors takes its input and four times its output (five below 16 channels out).
+# - PyTorch names oneDNN's transposed kernel "???" in Python (`_backend` calls it
+#   "MkldnnTranspose"); it takes what the other takes, the output for the input.
 # - The native kernels PyTorch keeps for small convolutions (one sample of few channels, fp32)
 #   unfold the input into columns, one per kernel tap: channels in x kernel taps x output
 #   positions (8->8 3x3x3 at 48^3: 91.1 MiB for tensors of 3.4 MiB), forward and backward alike;
 #   a transposed one, channels out x taps x input positions.
 # These are estimates: most ops came within 2% of them (a few small ones further off either way),
-# and the step of each model above within 3% of its simulation without offload, but for one case
-# left out: a dilated convolution whose kernel spans more than its input (DeepLabV3's
-# ASPP at dilation 24 and 36 over 32x32) takes 152 MiB in backward where 36 are estimated, which
-# leaves DeepLabV3's CPU step 16% above its simulation. The simulator counts them for the "cpu"
-# spec only (`DeviceSpec.cpu_scratch`). Other ops' scratch is small.
+# and the step of each model above, in single and half precision, within 3% of its simulation
+# without offload, but for one case left out: a dilated convolution whose kernel spans more than
+# its input (DeepLabV3's ASPP at dilation 24 and 36 over 32x32) takes 152 MiB in backward where
+# 36 are estimated, which leaves DeepLabV3's CPU step 16% above its simulation. The simulator
+# counts them for the "cpu" spec only (`DeviceSpec.cpu_scratch`). Other ops' scratch is small.
 _CONVOLUTIONS = {"aten.convolution.default", "aten.convolution_backward.default"}
 _CHANNEL_BLOCK = 16
 
@@ -482,7 +490,7 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
         else:
             columns = given.size(1) * taps * math.prod(grad_out.shape[2:])
         return columns * given.size(0) * given.element_size()
-    if kernel != "Mkldnn":
+    if not kernel.startswith("Mkldnn"):
         return 0
     # its weights in the blocked layout, and backward's weight gradient before it is copied out
     weights = weight.numel() * weight.element_size() * (2 if backward else 1)
@@ -491,23 +499,50 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
     last = any(t.is_contiguous(memory_format=layout) and not t.is_contiguous() for t in pair)
     strided = any(step > 1 for step in settings[0])
     made = grad_out.numel() * grad_out.element_size()  # the output, or its gradient
+    widened = _widened(given, grad_out, weight, args, transposed or strided) if backward else 0
     if last:
         if backward:
-            return weights + (2 * made if strided and not transposed else 0)
+            wide = 2 * made if strided and not transposed and args[10][0] else 0
+            return weights + (max(wide, widened) if strided or transposed else widened)
         return weights + (made if transposed else 0)
     pad = _blocked(given), _blocked(grad_out)
+    pointwise = math.prod(weight.shape[2:]) == 1
     if not backward:
-        return weights + (2 * pad[1] if transposed else max(pad))
+        if transposed:
+            return weights + 2 * pad[1]
+        if pointwise and given.element_size() < 4:  # its output four or five times over
+            few = grad_out.size(1) < _CHANNEL_BLOCK
+            return weights + given.numel() * given.element_size() + (5 if few else 4) * pad[1]
+        return weights + max(pad)
     input_grad = pad[0] if args[10][0] else 0
-    return weights + pad[1] + (pad[0] + input_grad if strided else max(pad[0], input_grad))
+    if strided or transposed:
+        return weights + pad[1] + pad[0] + max(input_grad, widened)
+    if widened and not args[10][0] and pointwise:
+        widened = 0  # a pointwise convolution's weight gradient alone: none
+    return weights + pad[1] + max(pad[0], input_grad) + widened
+
+
+def _widened(
+    given: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor, args: Any, strided: bool
+) -> int:
+    """Bytes a half-precision weight gradient on a CPU takes for its input and output gradient
+    in single precision (Note [Convolution scratch on the CPU]); 0 in single precision, where no
+    weight gradient is asked for, or below a block of input channels."""
+    if given.element_size() >= 4 or not args[10][1] or given.size(1) < _CHANNEL_BLOCK:
+        return 0
+    if strided:
+        return given.numel() * given.element_size() + grad_out.numel() * grad_out.element_size()
+    return 2 * (_blocked(given) + _blocked(grad_out))
 
 
 def _backend(given: torch.Tensor, weight: torch.Tensor, *settings: Any) -> str:
     """The name of the kernel PyTorch runs a convolution with ("Mkldnn", "Slow2d", ...)."""
     try:
-        return str(torch._C._select_conv_backend(given, weight, None, *settings, None).name)
+        name = str(torch._C._select_conv_backend(given, weight, None, *settings, None).name)
     except (AttributeError, TypeError, RuntimeError):  # a PyTorch without it: the usual one
         return "Mkldnn"
+    # PyTorch names each of its kernels in Python but oneDNN's transposed one ("???")
+    return "MkldnnTranspose" if name == "???" and settings[3] else name
 
 
 def _blocked(tensor: torch.Tensor) -> int:

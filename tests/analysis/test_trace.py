@@ -337,6 +337,35 @@ def test_a_contiguous_convolution_takes_cpu_scratch_and_only_the_cpu_counts_it()
     assert last.fingerprint() != trace.fingerprint()
 
 
+def test_transposed_and_half_precision_convolutions_take_their_cpu_scratch():
+    # Note [Convolution scratch on the CPU]. PyTorch names oneDNN's transposed kernel "???" in
+    # Python; it copies the output in and out as the untransposed one copies its input.
+    up = torch.nn.ConvTranspose2d(16, 16, 2, stride=2)
+    trace = trace_step(up, [torch.randn(1, 16, 64, 64)], device="cpu")
+    (forward,) = [op for op in trace.ops if op.name == "aten.convolution.default"]
+    weights = 16 * 16 * 4 * 4
+    assert forward.cpu_scratch_bytes == weights + 2 * 16 * 128 * 128 * 4
+
+    # In bfloat16 a weight gradient also takes its input and output gradient in single
+    # precision, channels counted up to a block; a first layer of 3 channels does not.
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.Conv2d(16, 8, 3))
+
+    def half(m, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            m(*batch).sum().backward()
+
+    def backward_scratch(step):
+        trace = trace_step(model, [torch.randn(1, 3, 64, 64)], step, device="cpu")
+        ops = [op for op in trace.ops if op.name == "aten.convolution_backward.default"]
+        return {op.module: op.cpu_scratch_bytes for op in ops}
+
+    scratch = [backward_scratch(half), backward_scratch(None)]
+    tensors = 16 * 62 * 62 + 16 * 64 * 64  # the output gradient and the input, 8 channels as 16
+    assert scratch[0]["Sequential.1"] == 2 * 8 * 16 * 9 * 2 + tensors * 2 + 2 * tensors * 2
+    assert scratch[1]["Sequential.1"] == 2 * 8 * 16 * 9 * 4 + tensors * 4
+    assert scratch[0]["Sequential.0"] < scratch[1]["Sequential.0"]
+
+
 class _Holds(torch.nn.Module):
     """Three layers; ``hold`` keeps the first one's output in a local until forward returns."""
 

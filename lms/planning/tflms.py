@@ -56,12 +56,17 @@ def tune_tflms(
         chosen = [i for i, d in enumerate(distance) if d >= threshold]
         return checker.plan(chosen, ahead=ahead + groupby, sync_mode=sync, source="tflms")
 
+    logged: list[dict[str, int]] = []
+
     def passes(**change: int) -> bool:
         trial = {**state, **change}
         result = checker.run(
             candidate(trial["threshold"], trial["ahead"], trial["groupby"], trial["sync"])
         )
-        if checker.fits(result):
+        if not checker.fits(result):
+            return False
+        if trial not in logged:  # each set once, though a search may try it again
+            logged.append(trial)
             log.info(
                 "[LMS] [Simulator] Found a parameter set: swapout_threshold %d, swapin_ahead %d,"
                 " swapin_groupby %d, sync_mode %d",
@@ -70,8 +75,7 @@ def tune_tflms(
                 trial["groupby"],
                 trial["sync"],
             )
-            return True
-        return False
+        return True
 
     for sync in (0, 1, 2, 3):
         state["sync"] = sync

@@ -47,6 +47,10 @@ class DeviceSpec:
     """The caching allocator's rounding of each block."""
     op_overhead_s: float = 5e-6
     """Launch cost of one op."""
+    write_log_op_s: float = 0.0
+    """What the runtime's write log (a dispatch mode that sees every op while a plan recomputes
+    anything) adds to each op of the step (Note [The write log's own cost]); 0 where the host
+    queues work ahead of the device and the log's Python runs in that slack."""
     host_memory_bytes: int | None = None
     """Host memory for offloaded data; beyond it planners spill to disk. None: no limit."""
     disk_write_gbps: float = 2.0
@@ -129,6 +133,7 @@ DEVICES: dict[str, DeviceSpec] = {
             h2d_gbps=3.0,
             link="spill files (page cache and disk)",
             op_overhead_s=20e-6,
+            write_log_op_s=30e-6,
             cpu_scratch=True,
         ),
     )

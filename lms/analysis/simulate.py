@@ -167,7 +167,9 @@ def simulate(
         spec: the device and its link.
         half: price matmuls and convolutions at the fp16/bf16 rate (autocast runs).
     """
-    seconds = op_seconds(trace, spec, half)
+    seconds = plain = op_seconds(trace, spec, half)
+    if plan is not None and plan.recompute and spec.write_log_op_s:
+        seconds = [s + spec.write_log_op_s for s in plain]
     clock = Clock(trace, plan, spec, seconds)
     held = _Residency(clock, spec.cpu_scratch)
     times, device, host, peak_tensor = _sweep(held.columns(), held.host_spans, spec)
@@ -183,7 +185,7 @@ def simulate(
         offloaded_bytes=sum(entries[i][1] for i in clock.offload),
         offloaded_tensors=len(clock.offload),
         step_s=clock.end_s,
-        base_step_s=sum(seconds),
+        base_step_s=sum(plain),
         wait_s=clock.wait_s,
         timeline_s=tuple(times),
         device_bytes=tuple(device),

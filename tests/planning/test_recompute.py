@@ -302,13 +302,19 @@ def test_recompute_survives_retain_graph_and_autocast(min_bytes, spill_dir):
     offload.close()
 
 
-def test_planner_recomputes_where_moving_costs_more():
+def _halfway_plan():
+    """A small ResNet's trace, a slow link, a budget halfway between the step's peak and the
+    least it can take, and the planner's plan for it."""
     trace = _trace(_resnet, [torch.randn(2, 3, 128, 128)])
     spec = small_spec()
     plain = simulate(trace, None, spec)
     _, floor = Checker(trace, spec, plain.peak_bytes).require_feasible()
     budget = (floor.peak_bytes + plain.peak_bytes) // 2
-    plan = plan_greedy(trace, spec, budget)
+    return trace, spec, budget, plan_greedy(trace, spec, budget)
+
+
+def test_planner_recomputes_where_moving_costs_more():
+    trace, spec, budget, plan = _halfway_plan()
     assert plan.recompute
     result = simulate(trace, plan, spec)
     assert result.peak_bytes <= budget
@@ -325,6 +331,26 @@ def test_planner_recomputes_where_moving_costs_more():
     )
     assert result.step_s < without.step_s
     assert result.recompute_s > 0
+
+
+def test_the_write_log_is_priced_and_planners_recompute_only_where_it_pays():
+    """Note [The write log's own cost]: where each op costs the log more than recomputing saves
+    in all, the planner moves those tensors instead."""
+    trace, spec, budget, plan = _halfway_plan()
+    moved = dataclasses.replace(
+        plan, offload=tuple(sorted(plan.offload + plan.recompute)), recompute=()
+    )
+    free, without = simulate(trace, plan, spec), simulate(trace, moved, spec)
+    saved = without.step_s - free.step_s
+    assert plan.recompute and saved > 0
+    costly = dataclasses.replace(spec, write_log_op_s=2 * saved / len(trace.ops))
+    priced = simulate(trace, plan, costly)
+    assert priced.base_step_s == free.base_step_s  # no offload, no log
+    assert priced.step_s > without.step_s == simulate(trace, moved, costly).step_s
+    chosen = plan_greedy(trace, costly, budget)
+    assert not chosen.recompute
+    result = simulate(trace, chosen, costly)
+    assert result.peak_bytes <= budget and result.step_s < priced.step_s
 
 
 def test_a_replay_with_other_bits_is_warned_and_moved_from_then_on(spill_dir, caplog, monkeypatch):
@@ -417,3 +443,33 @@ def test_checksum_sums_the_words_in_place_and_tells_copies_apart(nbytes):
         changed = data.clone()
         changed[nbytes // 2] ^= 1
         assert not torch.equal(checksum(changed.untyped_storage(), data.device), total)
+
+
+def test_the_write_log_flattens_a_call_as_pytree_does():
+    """Note [The write log's own cost]: the leaves and spec of each call, as `tree_flatten`
+    gives them, whatever the call's shape, and a cached spec only for the same shape."""
+    from collections import namedtuple
+
+    from torch.utils._pytree import tree_flatten
+
+    from lms.runtime.writelog import _flatten
+
+    x, y = torch.randn(2, 3), torch.randn(3)
+    pair = namedtuple("pair", "a b")
+    calls = [
+        ((x, y), {}),
+        ((x, [1, 2], [0, 0], False), {}),
+        ((x, [1, 2, 3], [0, 0], False), {}),  # another length: another spec
+        (([x, y], 0), {}),
+        ((x, (1, 1)), {"dtype": torch.float16, "out": None}),
+        ((x, torch.Size([3, 2])), {}),  # pytree flattens a size
+        ((x, pair(1, 2)), {}),
+        ((x, [[1, 2], [3]]), {}),
+        ((x,), {"sizes": [1, 2]}),
+        ((x, [None, y]), {}),
+    ]
+    for args, kwargs in calls * 2:  # the second time from the cache
+        leaves, spec = _flatten(args, kwargs)
+        expected, expected_spec = tree_flatten((args, kwargs))
+        assert len(leaves) == len(expected) and spec == expected_spec, (args, kwargs)
+        assert all(a is b or a == b for a, b in zip(leaves, expected, strict=True))

@@ -499,7 +499,7 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
     last = any(t.is_contiguous(memory_format=layout) and not t.is_contiguous() for t in pair)
     strided = any(step > 1 for step in settings[0])
     made = grad_out.numel() * grad_out.element_size()  # the output, or its gradient
-    widened = _widened(given, grad_out, weight, args, transposed or strided) if backward else 0
+    widened = _widened(given, grad_out, args, transposed or strided) if backward else 0
     if last:
         if backward:
             wide = 2 * made if strided and not transposed and args[10][0] else 0
@@ -522,9 +522,7 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
     return weights + pad[1] + max(pad[0], input_grad) + widened
 
 
-def _widened(
-    given: torch.Tensor, grad_out: torch.Tensor, weight: torch.Tensor, args: Any, strided: bool
-) -> int:
+def _widened(given: torch.Tensor, grad_out: torch.Tensor, args: Any, strided: bool) -> int:
     """Bytes a half-precision weight gradient on a CPU takes for its input and output gradient
     in single precision (Note [Convolution scratch on the CPU]); 0 in single precision, where no
     weight gradient is asked for, or below a block of input channels."""

@@ -112,15 +112,19 @@ class SimResult:
         return self.peak_bytes <= memory_bytes
 
 
-def op_seconds(trace: Trace, spec: DeviceSpec, half: bool) -> list[float]:
-    """Predicted seconds of each op of ``trace`` on ``spec``."""
-    known = trace.memo.get(("op_seconds", spec, half))
+def op_seconds(
+    trace: Trace, spec: DeviceSpec, half: bool, *, write_log: bool = False
+) -> list[float]:
+    """Predicted seconds of each op of ``trace`` on ``spec``; with ``write_log``, under the
+    runtime's write log, as while a plan recomputes (`DeviceSpec.write_log_op_s`)."""
+    key = ("op_seconds", spec, half, write_log)
+    known = trace.memo.get(key)
     if known is None:
         rate = spec.peak_flops_half if half else spec.peak_flops
         bandwidth = spec.memory_bandwidth_gbps * 1e9
-        known = trace.memo["op_seconds", spec, half] = tuple(
-            spec.op_overhead_s + max(op.flops / rate, op.working_set_bytes / bandwidth)
-            for op in trace.ops
+        overhead = spec.op_overhead_s + (spec.write_log_op_s if write_log else 0.0)
+        known = trace.memo[key] = tuple(
+            overhead + max(op.flops / rate, op.working_set_bytes / bandwidth) for op in trace.ops
         )
     return list(known)
 
@@ -167,9 +171,7 @@ def simulate(
         spec: the device and its link.
         half: price matmuls and convolutions at the fp16/bf16 rate (autocast runs).
     """
-    seconds = plain = op_seconds(trace, spec, half)
-    if plan is not None and plan.recompute and spec.write_log_op_s:
-        seconds = [s + spec.write_log_op_s for s in plain]
+    seconds = op_seconds(trace, spec, half, write_log=plan is not None and bool(plan.recompute))
     clock = Clock(trace, plan, spec, seconds)
     held = _Residency(clock, spec.cpu_scratch)
     times, device, host, peak_tensor = _sweep(held.columns(), held.host_spans, spec)
@@ -185,7 +187,7 @@ def simulate(
         offloaded_bytes=sum(entries[i][1] for i in clock.offload),
         offloaded_tensors=len(clock.offload),
         step_s=clock.end_s,
-        base_step_s=sum(plain),
+        base_step_s=sum(op_seconds(trace, spec, half)),
         wait_s=clock.wait_s,
         timeline_s=tuple(times),
         device_bytes=tuple(device),

@@ -111,7 +111,8 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     step_s = sum(steady) / len(steady)
     pixels = batch * entry.elements(size)
     measured = max(peaks[1:] or peaks)
-    predicted = (report.planned or report.plain).peak_tensor_bytes
+    simulated = report.planned or report.plain
+    predicted = simulated.peak_tensor_bytes
     stats = offload.stats
     heap_counted = memory.heap_growth_bytes is not None
     what = "device memory" if cuda else "heap in use" if heap_counted else "resident set"
@@ -119,7 +120,8 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
         f"[LMS] Trained {steps} steps of {MODEL} {size}x{size} batch {batch} on {device.type}; "
         f"last loss {loss.item():.4f}",
         f"[LMS] Throughput: {batch / step_s:.2f} images/s, {pixels / step_s / 1e6:.2f} "
-        f"megapixels/s ({step_s:.2f} s per step after the first)",
+        f"megapixels/s ({step_s:.2f} s per step after the first; predicted "
+        f"{simulated.step_s:.2f} s)",
         f"[LMS] Measured peak: {format_bytes(measured)} ({format_bytes(held)} of weights and "
         f"batch, then the {what} grew by {format_bytes(measured - held)}) against a budget of "
         f"{format_bytes(budget)}; simulated "
@@ -148,4 +150,5 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
         "predicted_peak_bytes": predicted,
         "plain_peak_bytes": plain_peak,
         "step_s": step_s,
+        "predicted_step_s": simulated.step_s,
     }

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ __all__ = [
     "local_device_spec",
     "measure_compute",
     "measure_link_gbps",
+    "measure_spill_gbps",
     "tune_plan",
 ]
 
@@ -73,7 +76,8 @@ class ComputeRates:
     """What a device reaches, as opposed to its datasheet peak."""
 
     flops: float
-    """FLOP/s of a 3x3 convolution in fp32 (TF32 where PyTorch lets cuDNN use it)."""
+    """FLOP/s of a 3x3 convolution in fp32 (TF32 where PyTorch lets cuDNN use it): its forward
+    on a GPU, forward and both gradients on a CPU (Note [A CPU's rates are measured])."""
     flops_half: float
     """FLOP/s of the same convolution in bf16."""
     bandwidth_gbps: float
@@ -118,7 +122,8 @@ def measure_compute(device: torch.device, at_least_s: float = 0.05) -> ComputeRa
 
 def _measure_compute(device: torch.device, at_least_s: float) -> ComputeRates:
     half = torch.bfloat16
-    batch = 8 if device.type == "cuda" else 1
+    cuda = device.type == "cuda"
+    batch = 8 if cuda else 1
     inputs = {
         dtype: (
             torch.randn(batch, 64, 128, 128, device=device, dtype=dtype),
@@ -129,10 +134,12 @@ def _measure_compute(device: torch.device, at_least_s: float) -> ComputeRates:
     flops = 2 * batch * 64 * 128 * 128 * 64 * 9
     conv = {}
     for dtype, (x, w) in inputs.items():
-        seconds = _seconds_per_call(
-            functools.partial(torch.nn.functional.conv2d, x, w, padding=1), device, at_least_s
-        )
-        conv[dtype] = flops / seconds
+        call = functools.partial(torch.nn.functional.conv2d, x, w, padding=1)
+        if cuda:
+            conv[dtype] = flops / _seconds_per_call(call, device, at_least_s)
+        else:  # Note [A CPU's rates are measured]: forward and both gradients
+            both = _with_gradients(call, x, w)
+            conv[dtype] = 3 * flops / _seconds_per_call(both, device, at_least_s)
     del inputs
     numel = (16 if device.type == "cuda" else 4) * 1024**2
     a, b = (torch.randn(numel, device=device) for _ in range(2))
@@ -141,8 +148,119 @@ def _measure_compute(device: torch.device, at_least_s: float) -> ComputeRates:
     return ComputeRates(conv[torch.float32], conv[half], 3 * 4 * numel / seconds / 1e9)
 
 
+def _with_gradients(
+    conv: Callable[[], torch.Tensor], x: torch.Tensor, w: torch.Tensor
+) -> Callable[[], Any]:
+    """``conv``, then its input's and weight's gradients from an output gradient of ones."""
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+
+    def both() -> Any:
+        with torch.enable_grad():
+            out = conv()
+            return torch.autograd.grad(out, (x, w), torch.ones_like(out))
+
+    return both
+
+
 _MEASURED: dict[tuple[int, bool], tuple[float, float, ComputeRates]] = {}
 """Link and compute rates measured in this process, by GPU index and whether TF32 is allowed."""
+
+_MEASURED_CPU: dict[int, tuple[ComputeRates, float, float]] = {}
+"""Compute rates of this CPU and its spill files' write and read rates (GB/s) measured in this
+process, by PyTorch's intra-op thread count."""
+
+
+def measure_spill_gbps(
+    spill_dir: str | None = None, files: int = 4, nbytes: int = 16 * 1024**2
+) -> tuple[float, float]:
+    """Write and read rates (GB/s) of spill files in ``spill_dir`` (None: the system's temporary
+    folder), as the runtime moves them: ``files`` files of ``nbytes`` written and read back into
+    fresh memory by the spill store's thread, the median of three rounds.
+
+    Raises:
+        SpillError: the folder is not usable or has not room for them.
+    """
+    from lms.runtime.disk import SpillStore
+
+    data = [torch.full((nbytes,), k, dtype=torch.uint8) for k in range(files)]
+    store = SpillStore(spill_dir)
+    rounds = []
+    try:
+        for _ in range(3):
+            start = time.perf_counter()
+            for write in [store.write(k, chunk) for k, chunk in enumerate(data)]:
+                write.result()
+            written = time.perf_counter()
+            for read in [store.read(k, torch.empty_like(chunk)) for k, chunk in enumerate(data)]:
+                read.result()
+            done = time.perf_counter()
+            for k in range(files):
+                store.delete(k, nbytes)
+            rounds.append((written - start, done - written))
+    finally:
+        store.close()
+    moved = files * nbytes / 1e9
+    return (
+        moved / statistics.median(w for w, _ in rounds),
+        moved / statistics.median(r for _, r in rounds),
+    )
+
+
+# Note: [A CPU's rates are measured]
+# The table's "cpu" entry is a guess for any CPU (60 GFLOP/s fp32, 30 bf16, 15 GB/s), and this
+# project's 2-core AVX-512 machine beats it by 3x in single precision and 10x in bfloat16: a
+# convolution's forward and both gradients (64 channels, 3x3, 128x128) reach 150 to 180 GFLOP/s
+# fp32 and 270 to 300 bf16, its add 40 to 90 GB/s. Priced at the entry, steps of the seed's four
+# models without offload were predicted 1.2 to 8 times as long as they ran (the demo's ResNet50
+# at 512 px, batch 2: 4.6 s against 1.8); at these rates, within -35% to +8% of their runs
+# (ResNet50 -12%, under bfloat16 +5%; GoogLeNet -29%; DeepLabV3 -3%; the 3D U-Net -33%, under
+# bfloat16 -11%). The forward alone runs faster than a step's mix (120 to 200 GFLOP/s fp32),
+# hence both gradients here; a GPU's rates stay its forward's (Note [Why measure compute]). The
+# link is the spill store's own write and read rates, into the page cache and back into fresh
+# memory (4 and 2 GB/s here, where the entry has 1.5 and 3), and copies take compute's cores
+# while its threads fill them (Note [Copies on a CPU take its cores]). Each rate is the median
+# of three rounds: rounds on a shared machine vary by a third, and so do its steps.
+def _local_cpu_spec() -> DeviceSpec:
+    threads = torch.get_num_threads()
+    if threads not in _MEASURED_CPU:
+        rounds = [measure_compute(torch.device("cpu"), at_least_s=0.02) for _ in range(3)]
+        rates = ComputeRates(
+            statistics.median(r.flops for r in rounds),
+            statistics.median(r.flops_half for r in rounds),
+            statistics.median(r.bandwidth_gbps for r in rounds),
+        )
+        write, read = measure_spill_gbps()
+        _MEASURED_CPU[threads] = (rates, write, read)
+        log.info(
+            "[LMS] CPU, %d threads on %d cores: measured convolution %.0f GFLOP/s fp32, %.0f "
+            "GFLOP/s bf16; memory %.0f GB/s; spill files %.1f GB/s written, %.1f GB/s read",
+            threads,
+            _cores(),
+            rates.flops / 1e9,
+            rates.flops_half / 1e9,
+            rates.bandwidth_gbps,
+            write,
+            read,
+        )
+    rates, write, read = _MEASURED_CPU[threads]
+    return dataclasses.replace(
+        DEVICES["cpu"],
+        peak_flops=rates.flops,
+        peak_flops_half=rates.flops_half,
+        memory_bandwidth_gbps=rates.bandwidth_gbps,
+        d2h_gbps=write,
+        h2d_gbps=read,
+        copies_take_compute=threads >= _cores(),
+    )
+
+
+def _cores() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 # Note: [The allocator's slack]
@@ -164,9 +282,10 @@ def local_device_spec(device: torch.device) -> DeviceSpec:
     compute rates measured (each at most the table's peak; measured once a process for each GPU
     and TF32 setting, so that tuning twice prices the same trace alike) and room for the caching
     allocator's slack in its margin (Note [The allocator's slack]); on a CPU, the table's
-    entry."""
+    entry with its compute rates measured (Note [A CPU's rates are measured]), once a process
+    for each thread count."""
     if device.type != "cuda":
-        return DEVICES["cpu"]
+        return _local_cpu_spec()
     name = torch.cuda.get_device_name(device).lower()
     total = torch.cuda.get_device_properties(device).total_memory
     key = next((k for k in ("gh200", "h200", "h100", "a100", "v100") if k in name), "h100")

@@ -2,6 +2,7 @@
 Hugging Face transformers model; the tuned plan's order of backward's reads."""
 
 import contextlib
+import dataclasses
 import types
 
 import pytest
@@ -43,6 +44,51 @@ def test_local_spec_measures_each_gpu_once_per_tf32_setting(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # other convolution rates
     tuning.local_device_spec(torch.device("cuda", 0))
     assert calls == {"link": 3, "compute": 3}
+
+
+def test_local_cpu_spec_measures_once_per_thread_count_and_takes_medians(monkeypatch):
+    """Note [A CPU's rates are measured]: the median of three rounds of each rate, the spill
+    files' rates as the link, and copies that take compute's cores while its threads fill them."""
+    rounds = iter([(150e9, 300e9, 40.0), (90e9, 350e9, 60.0), (200e9, 250e9, 50.0)] * 2)
+    calls = {"compute": 0, "spill": 0}
+
+    def compute(device, at_least_s):
+        calls["compute"] += 1
+        assert device.type == "cpu"
+        return tuning.ComputeRates(*next(rounds))
+
+    def spill():
+        calls["spill"] += 1
+        return 4.0, 2.0
+
+    monkeypatch.setattr(tuning, "_MEASURED_CPU", {})
+    monkeypatch.setattr(tuning, "measure_compute", compute)
+    monkeypatch.setattr(tuning, "measure_spill_gbps", spill)
+    monkeypatch.setattr(tuning, "_cores", lambda: 4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        spec = tuning.local_device_spec(torch.device("cpu"))
+        assert tuning.local_device_spec(torch.device("cpu")) == spec
+        assert calls == {"compute": 3, "spill": 1}
+        assert (spec.peak_flops, spec.peak_flops_half, spec.memory_bandwidth_gbps) == (
+            150e9,
+            300e9,
+            50.0,
+        )
+        assert (spec.d2h_gbps, spec.h2d_gbps) == (4.0, 2.0) and spec.copies_take_compute
+        assert spec.name == "cpu" and spec.cpu_scratch  # the table's entry, otherwise
+        torch.set_num_threads(2)  # a core left for the copies' thread
+        fewer = tuning.local_device_spec(torch.device("cpu"))
+        assert calls == {"compute": 6, "spill": 2} and not fewer.copies_take_compute
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_spill_rates_are_measured_in_the_spill_folder_and_leave_nothing(tmp_path):
+    write, read = tuning.measure_spill_gbps(str(tmp_path), files=2, nbytes=1024**2)
+    assert write > 0 and read > 0
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
@@ -95,7 +141,7 @@ def test_transformers_model_follows_its_tuned_plan_bitwise(model_type, attention
     offload.close()
 
 
-def test_the_first_step_prefetches_in_the_order_the_trace_read(spill_dir):
+def test_the_first_step_prefetches_in_the_order_the_trace_read(spill_dir, monkeypatch):
     # Note [The first step prefetches in the traced order]: with no earlier step to go by, the
     # runtime read newest first, where the simulator prefetches in the trace's order.
     import torchvision
@@ -111,6 +157,9 @@ def test_the_first_step_prefetches_in_the_order_the_trace_read(spill_dir):
         m(*batch).float().square().mean().backward()
 
     trace = trace_step(model, [x], step, device="cpu", min_offload_bytes=0)
+    # copies beside compute (a core to spare for them), where moving beats replaying
+    beside = dataclasses.replace(device_spec("cpu"), copies_take_compute=False)
+    monkeypatch.setattr(tuning, "local_device_spec", lambda device: beside)
     with pytest.raises(lms.PlanInfeasibleError) as info:
         lms.LMS(budget=1, min_offload_bytes=0).tune(model, [x], step)
     budget = info.value.min_budget_bytes + simulate(trace, None, device_spec("cpu")).peak_bytes

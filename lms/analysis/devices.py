@@ -30,7 +30,7 @@ class DeviceSpec:
     """Device memory."""
     peak_flops: float
     """Dense fp32 (or tf32 where used by default) rate, FLOP/s: the datasheet's peak, or on the
-    local GPU what a convolution reaches (`lms.tuning.local_device_spec`)."""
+    local device what a convolution reaches (`lms.tuning.local_device_spec`)."""
     peak_flops_half: float
     """fp16/bf16 tensor-core rate, FLOP/s (likewise)."""
     memory_bandwidth_gbps: float
@@ -60,6 +60,10 @@ class DeviceSpec:
     cpu_scratch: bool = False
     """Ops take the CPU's scratch memory on top of their tensors while they run
     (`lms.analysis.records.OpRecord.cpu_scratch_bytes`): the "cpu" spec."""
+    copies_take_compute: bool = False
+    """Copies run on a host thread that takes a core the step's compute needs, so compute loses
+    each copy's time (Note [Copies on a CPU take its cores]): the "cpu" spec while PyTorch's
+    threads fill every core; on a GPU, copy engines move the data."""
 
     def with_memory(self, memory: int | str) -> DeviceSpec:
         """The same device with another memory size (a limited or a larger card)."""
@@ -135,6 +139,7 @@ DEVICES: dict[str, DeviceSpec] = {
             op_overhead_s=20e-6,
             write_log_op_s=30e-6,
             cpu_scratch=True,
+            copies_take_compute=True,
         ),
     )
 }

@@ -82,6 +82,9 @@ class SimResult:
     """Bytes of those partials."""
     backward_start_s: float = 0.0
     """When the first backward op starts."""
+    copy_compute_s: float = 0.0
+    """Compute time lost to copies that take the cores compute runs on (Note [Copies on a CPU
+    take its cores])."""
     residency: _Residency | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @functools.cached_property
@@ -198,6 +201,7 @@ def simulate(
         relieved_junctions=len(clock.relieved),
         relieved_bytes=sum(j.nbytes for j in clock.relieved.values()),
         backward_start_s=clock.start[min(trace.backward_start_op, len(trace.ops))],
+        copy_compute_s=clock.copy_compute_s,
         residency=held,
     )
 

@@ -114,13 +114,21 @@ def info_lines(
         f"{format_bytes(planned.host_peak_bytes)}",
         f"[LMS] Predicted step time {planned.step_s * 1e3:.1f} ms vs "
         f"{planned.base_step_s * 1e3:.1f} ms without offload "
-        f"({planned.overhead:+.1%}, {planned.wait_s * 1e3:.1f} ms waiting for copies) "
-        f"over {spec.link}",
+        f"({planned.overhead:+.1%}, {_copy_costs(planned)}) over {spec.link}",
     ]
     if slow_link is not None:
         lines.append(
             f"[LMS] With the link and the disk at {LINK_MARGIN:.0%} of those rates: "
             f"{slow_link.step_s * 1e3:.1f} ms ({slow_link.overhead:+.1%}, "
-            f"{slow_link.wait_s * 1e3:.1f} ms waiting for copies)"
+            f"{_copy_costs(slow_link)})"
         )
     return lines
+
+
+def _copy_costs(result: SimResult) -> str:
+    """What copies cost a simulated step: its waits, and on a CPU the compute time they take
+    (Note [Copies on a CPU take its cores])."""
+    words = f"{result.wait_s * 1e3:.1f} ms waiting for copies"
+    if result.copy_compute_s:
+        words += f", {result.copy_compute_s * 1e3:.1f} ms of compute lost to them"
+    return words

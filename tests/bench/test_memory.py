@@ -3,6 +3,7 @@ glibc already held resident (Note [The C heap in use, not the resident set, meas
 step])."""
 
 import json
+import mmap
 import platform
 import subprocess
 import sys
@@ -55,8 +56,12 @@ def test_without_the_heap_count_growth_is_the_resident_sets(monkeypatch):
 
     monkeypatch.setattr(memory, "_MALLINFO2", None)
     assert heap_in_use_bytes() is None
+    size = 64 * 2**20
     with PeakMemory() as peak:
-        block = bytearray(64 * 2**20)  # zero-filled by Python: resident
-    del block
+        # fresh pages, each touched: resident whatever the heap kept from earlier tests
+        block = mmap.mmap(-1, size)
+        for offset in range(0, size, mmap.PAGESIZE):
+            block[offset] = 1
+    block.close()
     assert peak.heap_growth_bytes is None
     assert peak.growth_bytes == peak.rss_growth_bytes >= 60 * 2**20

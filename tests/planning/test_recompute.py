@@ -473,3 +473,26 @@ def test_the_write_log_flattens_a_call_as_pytree_does():
         expected, expected_spec = tree_flatten((args, kwargs))
         assert len(leaves) == len(expected) and spec == expected_spec, (args, kwargs)
         assert all(a is b or a == b for a, b in zip(leaves, expected, strict=True))
+
+
+def test_copies_that_take_the_cores_cost_the_step_their_time_and_planners_move_less():
+    """Note [Copies on a CPU take its cores]: where the copies' thread takes a core that compute
+    needs, each copy compute does not wait for adds its time to the step, and the planner,
+    pricing that, recomputes where it moved tensors over a link fast enough to hide them."""
+    trace = _trace(_resnet, [torch.randn(2, 3, 128, 128)])
+    spec = dataclasses.replace(small_spec(), d2h_gbps=32.0, h2d_gbps=32.0)
+    plain = simulate(trace, None, spec)
+    _, floor = Checker(trace, spec, plain.peak_bytes).require_feasible()
+    budget = (floor.peak_bytes + plain.peak_bytes) // 2
+    beside = plan_greedy(trace, spec, budget)
+    assert beside.offload and not beside.recompute
+    shared = dataclasses.replace(spec, copies_take_compute=True)
+    apart, taken = simulate(trace, beside, spec), simulate(trace, beside, shared)
+    out_and_back = taken.offloaded_bytes * (1 / spec.d2h_gbps + 1 / spec.h2d_gbps) / 1e9
+    assert apart.copy_compute_s == 0 and taken.copy_compute_s == pytest.approx(out_and_back)
+    assert taken.step_s == pytest.approx(taken.base_step_s + taken.wait_s + out_and_back)
+    assert taken.step_s > apart.step_s
+    chosen = plan_greedy(trace, shared, budget)
+    result = simulate(trace, chosen, shared)
+    assert result.peak_bytes <= budget and result.step_s < taken.step_s
+    assert result.offloaded_bytes < taken.offloaded_bytes and chosen.recompute

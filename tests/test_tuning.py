@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lms import tuning
+from lms.errors import SpillError
 
 
 def test_local_spec_measures_each_gpu_once_per_tf32_setting(monkeypatch):
@@ -83,6 +84,22 @@ def test_local_cpu_spec_measures_once_per_thread_count_and_takes_medians(monkeyp
         assert calls == {"compute": 6, "spill": 2} and not fewer.copies_take_compute
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_temporary_folder_that_refuses_spill_files_leaves_the_tables_link(monkeypatch, caplog):
+    rates = tuning.ComputeRates(150e9, 300e9, 50.0)
+
+    def full():
+        raise SpillError("lms: the spill folder has 0 B free")
+
+    monkeypatch.setattr(tuning, "_MEASURED_CPU", {})
+    monkeypatch.setattr(tuning, "measure_compute", lambda device, at_least_s: rates)
+    monkeypatch.setattr(tuning, "measure_spill_gbps", full)
+    with caplog.at_level("WARNING", logger="lms"):
+        spec = tuning.local_device_spec(torch.device("cpu"))
+    table = tuning.DEVICES["cpu"]
+    assert (spec.d2h_gbps, spec.h2d_gbps) == (table.d2h_gbps, table.h2d_gbps)
+    assert spec.peak_flops == rates.flops and "0 B free" in caplog.text
 
 
 def test_spill_rates_are_measured_in_the_spill_folder_and_leave_nothing(tmp_path):

@@ -17,7 +17,7 @@ import torch
 
 import lms
 from lms._units import format_bytes
-from lms.analysis.devices import DEVICES, DeviceSpec
+from lms.analysis.devices import DEVICES, FRESH_PAGES_BYTES, DeviceSpec
 from lms.analysis.records import Trace
 from lms.analysis.simulate import simulate
 from lms.analysis.trace import StepFn, trace_step
@@ -31,6 +31,7 @@ __all__ = [
     "check_offload_room",
     "local_device_spec",
     "measure_compute",
+    "measure_fresh_memory_gbps",
     "measure_link_gbps",
     "measure_spill_gbps",
     "tune_plan",
@@ -166,9 +167,9 @@ def _with_gradients(
 _MEASURED: dict[tuple[int, bool], tuple[float, float, ComputeRates]] = {}
 """Link and compute rates measured in this process, by GPU index and whether TF32 is allowed."""
 
-_MEASURED_CPU: dict[int, tuple[ComputeRates, float, float]] = {}
-"""Compute rates of this CPU and its spill files' write and read rates (GB/s) measured in this
-process, by PyTorch's intra-op thread count."""
+_MEASURED_CPU: dict[int, tuple[ComputeRates, float, float, float | None]] = {}
+"""Compute rates of this CPU, its spill files' write and read rates and its fresh pages' rate
+(GB/s) measured in this process, by PyTorch's intra-op thread count."""
 
 
 def measure_spill_gbps(
@@ -207,21 +208,44 @@ def measure_spill_gbps(
     )
 
 
+def measure_fresh_memory_gbps(pairs: int = 9) -> float | None:
+    """GB/s at which this CPU first writes memory the allocator maps anew, on top of writing
+    memory written before (Note [Fresh pages on a CPU]): an add into a fresh output of
+    `FRESH_PAGES_BYTES` against one into the same output again, timed in ``pairs`` pairs (the
+    median of their differences: a shared machine's noise is of the size of the difference);
+    None where the fresh one costs nothing more."""
+    numel = FRESH_PAGES_BYTES // 4
+    a, b = torch.randn(numel), torch.randn(numel)
+    out = torch.add(a, b)
+    extra = []
+    with torch.no_grad():
+        for _ in range(pairs + 1):  # the first pair warms up
+            start = time.perf_counter()
+            torch.add(a, b)
+            fresh = time.perf_counter()
+            torch.add(a, b, out=out)
+            extra.append(2 * fresh - start - time.perf_counter())
+    seconds = statistics.median(extra[1:])
+    return FRESH_PAGES_BYTES / seconds / 1e9 if seconds > 0 else None
+
+
 # Note: [A CPU's rates are measured]
 # The table's "cpu" entry is a guess for any CPU (60 GFLOP/s fp32, 30 bf16, 15 GB/s), and this
 # project's 2-core AVX-512 machine beats it by 3x in single precision and 10x in bfloat16: a
 # convolution's forward and both gradients (64 channels, 3x3, 128x128) reach 150 to 180 GFLOP/s
 # fp32 and 270 to 300 bf16, its add 40 to 90 GB/s. Priced at the entry, steps of the seed's four
 # models without offload were predicted 2 to 10 times as long as they ran (the demo's ResNet50
-# at 512 px, batch 2: 4.6 s against 1.8); at these rates, within -35% to +8% of their runs
-# (ResNet50 -10% to -16%, under bfloat16 +3% to +8%; GoogLeNet -29%; DeepLabV3 -1% to -6%; the
-# 3D U-Net -31% to -35%, under bfloat16 -11%). The forward alone runs faster than a step's mix
-# (120 to 200 GFLOP/s fp32),
+# at 512 px, batch 2: 4.6 s against 1.8); at these rates and with fresh pages priced (below),
+# within -31% to +16% of their runs in two rounds (ResNet50 at 512 px +1% and +8%, at 256 px
+# batch 4 -16% and -10%, at 384 px under bfloat16 +9% and +16%; GoogLeNet -29% and -31%, its
+# many small ops; DeepLabV3 -8% and +4%; the 3D U-Net -20% and -10%, under bfloat16 +1% and
+# +10%). The forward alone runs faster than a step's mix (120 to 200 GFLOP/s fp32),
 # hence both gradients here; a GPU's rates stay its forward's (Note [Why measure compute]). The
 # link is the spill store's own write and read rates, into the page cache and back into fresh
 # memory (4 and 2 GB/s here, where the entry has 1.5 and 3; the entry's where the temporary
 # folder refuses them), and copies take compute's cores while its threads fill them (Note
-# [Copies on a CPU take its cores]). Each rate is the median of three rounds: rounds on a
+# [Copies on a CPU take its cores]); the rate of first writes to fresh pages is measured too
+# (Note [Fresh pages on a CPU]). Each rate is the median of three rounds: rounds on a
 # shared machine vary by a third, and so do its steps.
 def _local_cpu_spec() -> DeviceSpec:
     threads = torch.get_num_threads()
@@ -244,19 +268,22 @@ def _local_cpu_spec() -> DeviceSpec:
                 write,
                 read,
             )
-        _MEASURED_CPU[threads] = (rates, write, read)
+        fresh = measure_fresh_memory_gbps()
+        _MEASURED_CPU[threads] = (rates, write, read, fresh)
         log.info(
             "[LMS] CPU, %d threads on %d cores: measured convolution %.0f GFLOP/s fp32, %.0f "
-            "GFLOP/s bf16; memory %.0f GB/s; spill files %.1f GB/s written, %.1f GB/s read",
+            "GFLOP/s bf16; memory %.0f GB/s, fresh pages %s; spill files %.1f GB/s written, "
+            "%.1f GB/s read",
             threads,
             _cores(),
             rates.flops / 1e9,
             rates.flops_half / 1e9,
             rates.bandwidth_gbps,
+            "at no extra cost" if fresh is None else f"{fresh:.1f} GB/s",
             write,
             read,
         )
-    rates, write, read = _MEASURED_CPU[threads]
+    rates, write, read, fresh = _MEASURED_CPU[threads]
     return dataclasses.replace(
         DEVICES["cpu"],
         peak_flops=rates.flops,
@@ -264,6 +291,7 @@ def _local_cpu_spec() -> DeviceSpec:
         memory_bandwidth_gbps=rates.bandwidth_gbps,
         d2h_gbps=write,
         h2d_gbps=read,
+        fresh_memory_gbps=fresh,
         copies_take_compute=threads >= _cores(),
     )
 

@@ -65,6 +65,7 @@ def test_local_cpu_spec_measures_once_per_thread_count_and_takes_medians(monkeyp
     monkeypatch.setattr(tuning, "_MEASURED_CPU", {})
     monkeypatch.setattr(tuning, "measure_compute", compute)
     monkeypatch.setattr(tuning, "measure_spill_gbps", spill)
+    monkeypatch.setattr(tuning, "measure_fresh_memory_gbps", lambda: 3.5)
     monkeypatch.setattr(tuning, "_cores", lambda: 4)
     threads = torch.get_num_threads()
     try:
@@ -78,6 +79,7 @@ def test_local_cpu_spec_measures_once_per_thread_count_and_takes_medians(monkeyp
             50.0,
         )
         assert (spec.d2h_gbps, spec.h2d_gbps) == (4.0, 2.0) and spec.copies_take_compute
+        assert spec.fresh_memory_gbps == 3.5
         assert spec.name == "cpu" and spec.cpu_scratch  # the table's entry, otherwise
         torch.set_num_threads(2)  # a core left for the copies' thread
         fewer = tuning.local_device_spec(torch.device("cpu"))
@@ -95,6 +97,7 @@ def test_a_temporary_folder_that_refuses_spill_files_leaves_the_tables_link(monk
     monkeypatch.setattr(tuning, "_MEASURED_CPU", {})
     monkeypatch.setattr(tuning, "measure_compute", lambda device, at_least_s: rates)
     monkeypatch.setattr(tuning, "measure_spill_gbps", full)
+    monkeypatch.setattr(tuning, "measure_fresh_memory_gbps", lambda: None)
     with caplog.at_level("WARNING", logger="lms"):
         spec = tuning.local_device_spec(torch.device("cpu"))
     table = tuning.DEVICES["cpu"]

@@ -6,9 +6,11 @@ import dataclasses
 
 from lms._units import bucket_bytes, parse_bytes
 
-__all__ = ["DeviceSpec", "DEVICES", "LINK_MARGIN", "device_spec"]
+__all__ = ["DeviceSpec", "DEVICES", "FRESH_PAGES_BYTES", "LINK_MARGIN", "device_spec"]
 
 GiB = 1024**3
+FRESH_PAGES_BYTES = 32 * 1024**2
+"""glibc's largest threshold for mapping an allocation anew (`DeviceSpec.fresh_memory_gbps`)."""
 
 
 # Note: [A plan's margin on the link]
@@ -60,6 +62,10 @@ class DeviceSpec:
     cpu_scratch: bool = False
     """Ops take the CPU's scratch memory on top of their tensors while they run
     (`lms.analysis.records.OpRecord.cpu_scratch_bytes`): the "cpu" spec."""
+    fresh_memory_gbps: float | None = None
+    """Rate, GB/s, at which an op first writes memory the allocator maps for it anew, on top of
+    its traffic (Note [Fresh pages on a CPU]): the "cpu" spec, for storages of at least
+    `FRESH_PAGES_BYTES`; None where that costs nothing more (a GPU's caching allocator)."""
     copies_take_compute: bool = False
     """Copies run on a host thread that takes a core the step's compute needs, so compute loses
     each copy's time (Note [Copies on a CPU take its cores]): the "cpu" spec while PyTorch's
@@ -139,6 +145,7 @@ DEVICES: dict[str, DeviceSpec] = {
             op_overhead_s=20e-6,
             write_log_op_s=30e-6,
             cpu_scratch=True,
+            fresh_memory_gbps=4.0,
             copies_take_compute=True,
         ),
     )

@@ -159,6 +159,32 @@ def test_measured_compute_prices_ops_and_hides_copies(report):
     )
 
 
+def test_ops_that_make_storages_the_allocator_maps_anew_pay_their_first_writes():
+    """Note [Fresh pages on a CPU]: each op pays bytes over the fresh-memory rate for the
+    storages of at least 32 MiB it makes, nothing for smaller ones; a GPU spec, nothing."""
+    from lms.analysis.devices import FRESH_PAGES_BYTES
+    from lms.analysis.simulate import op_seconds
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 1040), torch.nn.ReLU(), torch.nn.Linear(1040, 8)
+    )
+    trace = trace_step(model, [torch.randn(8192, 64)], device="cpu")  # 8192 x 1040: 32.5 MiB
+    cpu = device_spec("cpu")
+    free = dataclasses.replace(cpu, fresh_memory_gbps=None)
+    charged, uncharged = op_seconds(trace, cpu, False), op_seconds(trace, free, False)
+    paid = [a - b for a, b in zip(charged, uncharged, strict=True)]
+    expected = [0.0] * len(trace.ops)
+    for storage in trace.storages:
+        if storage.alloc_op >= 0 and storage.nbytes >= FRESH_PAGES_BYTES:
+            expected[storage.alloc_op] += storage.nbytes / (cpu.fresh_memory_gbps * 1e9)
+    assert sum(x > 0 for x in expected) >= 2  # the activation and its gradient at least
+    assert paid == pytest.approx(expected, abs=1e-12)
+    assert simulate(trace, None, cpu).base_step_s == pytest.approx(
+        simulate(trace, None, free).base_step_s + sum(expected)
+    )
+    assert device_spec("h100").fresh_memory_gbps is None
+
+
 def test_lines_say_what_tflms_said(report):
     text = "\n".join(report.lines())
     assert "[LMS] The model has" in text and "learning parameters" in text

@@ -266,7 +266,10 @@ class Clock:
     # ran 5% over no offload and was priced at 22%). Priced so, plans there replay where they
     # moved: at 1024 px 4.45 s a step against 4.67 (no offload 4.44), at 512 px with 60% of
     # the step's memory 2.02 against 2.21, with 40% 2.15 against 2.27; at 768 px 2.02 against
-    # 1.99, within this machine's noise.
+    # 1.99, within this machine's noise. With fresh pages priced as well (Note [Fresh pages on
+    # a CPU]), replays of large tensors cost more and plans move some again: at 1024 px 17
+    # replayed and 376 MiB moved, 4.77 s against 4.70 for the plan that moves 928 MiB (no
+    # offload 4.11); at 512 px with 60%, 2.13 against 2.18 (no offload 1.86).
     def _taken_from_compute(self, seconds: float) -> None:
         """A copy's ``seconds`` that compute loses to it (Note [Copies on a CPU take its
         cores])."""

@@ -142,7 +142,7 @@ def _measure_compute(device: torch.device, at_least_s: float) -> ComputeRates:
             both = _with_gradients(call, x, w)
             conv[dtype] = 3 * flops / _seconds_per_call(both, device, at_least_s)
     del inputs
-    numel = (16 if device.type == "cuda" else 4) * 1024**2
+    numel = (16 if cuda else 4) * 1024**2
     a, b = (torch.randn(numel, device=device) for _ in range(2))
     out = torch.empty_like(a)
     seconds = _seconds_per_call(lambda: torch.add(a, b, out=out), device, at_least_s)
@@ -169,7 +169,8 @@ _MEASURED: dict[tuple[int, bool], tuple[float, float, ComputeRates]] = {}
 
 _MEASURED_CPU: dict[int, tuple[ComputeRates, float, float, float | None]] = {}
 """Compute rates of this CPU, its spill files' write and read rates and its fresh pages' rate
-(GB/s) measured in this process, by PyTorch's intra-op thread count."""
+(GB/s) measured in this process, by PyTorch's intra-op thread count: rates, laid over the
+table's "cpu" entry at each call, so that the entry's other figures stay the table's."""
 
 
 def measure_spill_gbps(

@@ -17,7 +17,7 @@ import torch
 
 import lms
 from lms._units import format_bytes
-from lms.analysis.devices import DEVICES, FRESH_PAGES_BYTES, DeviceSpec
+from lms.analysis.devices import DEVICES, FRESH_PAGES_BYTES, DeviceSpec, OpTimings
 from lms.analysis.records import Trace
 from lms.analysis.simulate import simulate
 from lms.analysis.trace import StepFn, trace_step
@@ -25,6 +25,7 @@ from lms.cache import cache_folder, cache_path, load_cached, planner_code, save_
 from lms.errors import HostMemoryError, SpillError
 from lms.plan import Plan
 from lms.runtime._cuda import pin_host, unpin_host
+from lms.timing import time_ops
 
 __all__ = [
     "ComputeRates",
@@ -247,7 +248,8 @@ def measure_fresh_memory_gbps(pairs: int = 9) -> float | None:
 # folder refuses them), and copies take compute's cores while its threads fill them (Note
 # [Copies on a CPU take its cores]); the rate of first writes to fresh pages is measured too
 # (Note [Fresh pages on a CPU]). Each rate is the median of three rounds: rounds on a
-# shared machine vary by a third, and so do its steps.
+# shared machine vary by a third, and so do its steps. A plan tuned for this CPU then prices
+# its step's ops at their own times where it can (Note [Ops timed on the device]).
 def _local_cpu_spec() -> DeviceSpec:
     threads = torch.get_num_threads()
     if threads not in _MEASURED_CPU:
@@ -295,6 +297,21 @@ def _local_cpu_spec() -> DeviceSpec:
         fresh_memory_gbps=fresh,
         copies_take_compute=threads >= _cores(),
     )
+
+
+_TIMED: dict[tuple[str, str, int], OpTimings] = {}
+"""Times of traces' ops measured in this process, by fingerprint, device and budget."""
+
+
+def _timed(trace: Trace, device: torch.device, budget: int) -> OpTimings:
+    """`lms.timing.time_ops` of ``trace`` once a process for each device and budget, so that
+    tuning the same step twice prices it alike, as the rates are (the last 16 kept)."""
+    key = (trace.fingerprint(), str(device), budget)
+    if key not in _TIMED:
+        while len(_TIMED) >= 16:
+            del _TIMED[next(iter(_TIMED))]
+        _TIMED[key] = time_ops(trace, device, max_bytes=budget)
+    return _TIMED[key]
 
 
 def _cores() -> int:
@@ -420,6 +437,8 @@ def tune_plan(
     if loaded is not None:
         plan = loaded
     else:
+        if device.type == "cpu":  # Note [Ops timed on the device]
+            spec = spec.with_op_timings(_timed(trace, device, budget))
         if trace.compiled:
             log.info(
                 "[LMS] The model or the step is compiled: its plan recomputes nothing, since "

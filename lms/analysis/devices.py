@@ -6,7 +6,14 @@ import dataclasses
 
 from lms._units import bucket_bytes, parse_bytes
 
-__all__ = ["DeviceSpec", "DEVICES", "FRESH_PAGES_BYTES", "LINK_MARGIN", "device_spec"]
+__all__ = [
+    "DeviceSpec",
+    "DEVICES",
+    "FRESH_PAGES_BYTES",
+    "LINK_MARGIN",
+    "OpTimings",
+    "device_spec",
+]
 
 GiB = 1024**3
 FRESH_PAGES_BYTES = 32 * 1024**2
@@ -20,6 +27,24 @@ FRESH_PAGES_BYTES = 32 * 1024**2
 # 80% of their rates, so that a plan whose copies hide behind compute with no room to spare
 # shows it: the time that plan would take, not another plan made for the slower link.
 LINK_MARGIN = 0.8
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OpTimings:
+    """Seconds each op of one trace took, run alone on the device (`lms.timing.time_ops`).
+
+    Compared and hashed by identity: a spec that carries them stays a cheap key.
+    """
+
+    fingerprint: str
+    """`lms.analysis.records.Trace.fingerprint` of the trace timed."""
+    seconds: tuple[float | None, ...]
+    """By op index; None for an op not timed (priced by the spec's rates)."""
+
+    @property
+    def timed(self) -> int:
+        """How many ops have a time."""
+        return sum(s is not None for s in self.seconds)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +96,10 @@ class DeviceSpec:
     each copy's time (Note [Copies on a CPU take its cores]): the "cpu" spec while PyTorch's
     threads fill every core; on a GPU, copy engines move the data."""
 
+    op_timings: OpTimings | None = dataclasses.field(default=None, repr=False)
+    """Times of the ops of one trace measured on this device; the simulator takes them, in place
+    of its rates, for that trace alone (Note [Ops timed on the device])."""
+
     def with_memory(self, memory: int | str) -> DeviceSpec:
         """The same device with another memory size (a limited or a larger card)."""
         return dataclasses.replace(self, memory_bytes=parse_bytes(memory, field="gpu_memory"))
@@ -90,6 +119,10 @@ class DeviceSpec:
             disk_write_gbps=self.disk_write_gbps * factor,
             disk_read_gbps=self.disk_read_gbps * factor,
         )
+
+    def with_op_timings(self, timings: OpTimings | None) -> DeviceSpec:
+        """The same device with the measured times of one trace's ops."""
+        return dataclasses.replace(self, op_timings=timings)
 
     def host_copy_bytes(self, nbytes: int) -> int:
         """Host memory an offloaded copy of ``nbytes`` takes: on a GPU, the runtime's pinned

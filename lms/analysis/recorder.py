@@ -12,11 +12,18 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lms.analysis.records import JunctionRecord, OpRecord, SavedEvent, StorageRecord
+from lms.analysis.records import (
+    JunctionRecord,
+    OpCall,
+    OpRecord,
+    SavedEvent,
+    StorageRecord,
+    TensorMeta,
+)
 from lms.errors import UnplannableStepError
 from lms.runtime import junctions
 from lms.runtime.keep import offload_blocked
@@ -42,6 +49,7 @@ class Recorder(TorchDispatchMode):
         self.last_forward: list[int] = []
         self.writer: dict[int, int] = {}
         self.ops: list[OpRecord] = []
+        self.calls: list[OpCall | None] = []
         self.op_level: list[int] = []
         self.edges = 0
         self.events: list[SavedEvent] = []
@@ -227,6 +235,7 @@ class Recorder(TorchDispatchMode):
                 cpu_scratch_bytes=_cpu_scratch(name, args, out),
             )
         )
+        self.calls.append(_recorded_call(func, args, kwargs))
         self.op_level.append(level)
         return out
 
@@ -372,6 +381,22 @@ class Recorder(TorchDispatchMode):
 _WORKSPACES = {"aten.mkldnn_rnn_layer.default": 3, "aten._cudnn_rnn.default": 3}
 _GATES = {0: 1, 1: 1, 2: 4, 3: 3}  # by cuDNN's mode: RNN_RELU, RNN_TANH, LSTM, GRU
 _BYTES_PER_GATE = 16
+
+
+def _recorded_call(func: Any, args: Any, kwargs: Any) -> OpCall | None:
+    """The call, its tensors as their shapes; None where it cannot run alone: an op outside
+    aten (a collective, a user's own op) or a tensor that is not a plain strided one."""
+    if getattr(func, "namespace", None) != "aten":
+        return None
+    leaves, structure = tree_flatten((args, kwargs))
+    for i, value in enumerate(leaves):
+        if isinstance(value, torch.Tensor):
+            if value.layout != torch.strided or value.is_quantized:
+                return None
+            shape, stride = tuple(value.shape), tuple(value.stride())
+            leaves[i] = TensorMeta(shape, stride, value.dtype, str(value.device))
+    args, kwargs = tree_unflatten(leaves, structure)
+    return OpCall(func, tuple(args), dict(kwargs))
 
 
 def _workspace(func: Any, args: Any, kwargs: Any, out: Any) -> tuple[torch.Tensor, int] | None:

@@ -12,7 +12,15 @@ import hashlib
 import json
 from typing import Any, Literal
 
-__all__ = ["OpRecord", "StorageRecord", "SavedEvent", "JunctionRecord", "Trace"]
+__all__ = [
+    "OpRecord",
+    "OpCall",
+    "TensorMeta",
+    "StorageRecord",
+    "SavedEvent",
+    "JunctionRecord",
+    "Trace",
+]
 
 Phase = Literal["forward", "backward", "optimizer"]
 Kind = Literal["param", "buffer", "input", "activation", "gradient", "state"]
@@ -46,6 +54,33 @@ class OpRecord:
     def working_set_bytes(self) -> int:
         """Inputs and outputs that must be resident at once while the op runs."""
         return self.read_bytes + self.written_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """A tensor argument of a recorded call, without its data."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: Any
+    """A ``torch.dtype``."""
+    device: str
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCall:
+    """How one op was called: its overload and arguments, tensors as `TensorMeta`, so that it
+    can run again alone on real tensors of those shapes (`lms.timing.time_ops`)."""
+
+    op: Any
+    """The ``torch._ops.OpOverload``."""
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @functools.cached_property
+    def key(self) -> str:
+        """The same for calls alike: the op, the shapes and the other arguments."""
+        return repr((str(self.op), self.args, sorted(self.kwargs.items())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +185,9 @@ class Trace:
     compiled: bool = False
     """The model has parts compiled with ``torch.compile``, or the step is compiled as a whole:
     backward recomputes nothing (Note [Compiled models are not replayed])."""
+    calls: tuple[OpCall | None, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    """How each op was called, by op index (None where it cannot run again alone); empty for
+    traces made otherwise. Not part of the record's identity."""
 
     # -- derived -----------------------------------------------------------------------------
     @property

@@ -127,11 +127,48 @@ def op_seconds(
         bandwidth = spec.memory_bandwidth_gbps * 1e9
         overhead = spec.op_overhead_s + (spec.write_log_op_s if write_log else 0.0)
         fresh = _fresh_seconds(trace, spec)
+        timed = _timed_seconds(trace, spec)
         known = trace.memo[key] = tuple(
-            overhead + max(op.flops / rate, op.working_set_bytes / bandwidth) + fresh.get(i, 0.0)
-            for i, op in enumerate(trace.ops)
+            overhead
+            + (
+                max(op.flops / rate, op.working_set_bytes / bandwidth) + fresh.get(i, 0.0)
+                if seconds is None
+                else seconds
+            )
+            for (i, op), seconds in zip(enumerate(trace.ops), timed, strict=True)
         )
     return list(known)
+
+
+# Note: [Ops timed on the device]
+# The rates price an op by its FLOPs or its bytes, whichever takes longer at the device's
+# measured convolution and add, and many ops run far off both. On this project's 2-core CPU, at
+# ResNet50 and GoogLeNet sizes: a training batch norm moves 4 to 8 GB/s where the add moves 30
+# to 60, so batch norms ran 5 times their price; a 3x3 max pooling with indices compares
+# 0.5 billion elements a second and moves 1 GB/s, 15 to 35 times its price (GoogLeNet's 13
+# took 112 ms a step, priced at 3); convolutions' gradients ran 15% to 30% over theirs. Where a
+# plan is made for the device it runs on, `lms.timing.time_ops` runs each distinct call of the
+# trace alone on real tensors of its shapes, and the simulator takes those times (plus the
+# spec's per-op overhead, for the framework's own work around each op) in place of the rates,
+# for that trace alone (the fingerprint must match). Ops not timed keep the rates. Replays are
+# the same ops, so a plan prices its recomputation at what it costs too. Seven steps of the
+# seed's models (`benchmarks/step_time.py`) were predicted within -12% to +2% of their runs by
+# the times, -27% to +16% by the rates measured in the same process. Ops are timed on a warm
+# heap (Note [Fresh pages on a CPU]), each the fastest of its runs: below 32 MiB a step's
+# tensors mostly reuse memory (an 8 MiB ReLU gradient took 2.4 ms timed on a cold heap, 0.75
+# in a step), though not always (a 16 MiB one took 4.7 ms in a step, 0.9 timed warm).
+def _timed_seconds(trace: Trace, spec: DeviceSpec) -> list[float | None]:
+    """The measured seconds of each op of ``trace`` on ``spec`` (Note [Ops timed on the
+    device]): None for each op without a time, and for all where the spec's are another
+    trace's."""
+    timings = spec.op_timings
+    if (
+        timings is None
+        or len(timings.seconds) != len(trace.ops)
+        or timings.fingerprint != trace.fingerprint()
+    ):
+        return [None] * len(trace.ops)
+    return list(timings.seconds)
 
 
 # Note: [Fresh pages on a CPU]

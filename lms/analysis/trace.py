@@ -284,6 +284,7 @@ def trace_step(
         input_shapes=input_shapes,
         device=str(target),
         ops=tuple(recorder.ops),
+        calls=tuple(recorder.calls),
         storages=tuple(storages),
         events=tuple(recorder.events),
         param_bytes=param_bytes,

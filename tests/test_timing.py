@@ -1,0 +1,158 @@
+"""Ops timed alone on the device (Note [Ops timed on the device]): each distinct call once, what
+cannot run left to the rates, the random streams untouched, and the simulator taking the times
+for the trace timed alone."""
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from lms import tuning
+from lms.analysis import trace_step
+from lms.analysis.devices import DEVICES, OpTimings
+from lms.analysis.records import OpCall, TensorMeta
+from lms.analysis.simulate import op_seconds, simulate
+from lms.timing import time_ops
+
+CPU = torch.device("cpu")
+
+
+def _net(width=32, depth=3):
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Dropout(0.5)]
+    return torch.nn.Sequential(*layers)
+
+
+def _trace(model, batch=8, width=32):
+    return trace_step(model, lambda: (torch.randn(batch, width),), device=CPU)
+
+
+def test_each_distinct_call_runs_on_its_own_and_alike_calls_share_its_time(monkeypatch):
+    trace = _trace(_net())
+    ran = []
+
+    class Counted:  # an op that notes which of the recorded calls ran
+        def __init__(self, op):
+            self.op, self.is_view = op, op.is_view
+
+        def __str__(self):
+            return str(self.op)
+
+        def __call__(self, *args, **kwargs):
+            ran.append((str(self.op), id(self)))
+            return self.op(*args, **kwargs)
+
+    calls = tuple(
+        None if c is None else dataclasses.replace(c, op=Counted(c.op)) for c in trace.calls
+    )
+    timings = time_ops(dataclasses.replace(trace, calls=calls), CPU)
+    assert len(calls) == len(trace.ops) and all(c is not None for c in calls)
+    by_key: dict[str, set[float | None]] = {}
+    for call, seconds in zip(trace.calls, timings.seconds, strict=True):
+        by_key.setdefault(call.key, set()).add(seconds)
+        if call.op.is_view:
+            assert seconds == 0.0
+        else:
+            assert seconds is not None and seconds > 0
+    assert all(len(times) == 1 for times in by_key.values())
+    # the three linear layers are one call, and ran as one: warmed up, then timed
+    linear = [c for c in trace.calls if str(c.op) == "aten.addmm.default"]
+    assert len(linear) == 3 and len({c.key for c in linear}) == 1
+    runs = [who for name, who in ran if name == "aten.addmm.default"]
+    assert len(set(runs)) == 1 and 2 <= len(runs) <= 1 + 50
+    assert timings.fingerprint == trace.fingerprint() and timings.timed == len(trace.ops)
+
+
+def test_timing_draws_nothing_from_the_random_streams():
+    trace = _trace(_net())
+    assert any("dropout" in op.name or "bernoulli" in op.name for op in trace.ops)
+    torch.manual_seed(7)
+    time_ops(trace, CPU)
+    after = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(4))
+
+
+def test_calls_that_cannot_run_here_keep_the_rates(caplog):
+    trace = _trace(_net(width=256), batch=64, width=256)
+    largest = max(range(len(trace.ops)), key=lambda i: trace.ops[i].working_set_bytes)
+    refusing = OpCall(
+        torch.ops.aten._assert_async.default, (TensorMeta((), (), torch.bool, "cpu"),), {}
+    )
+    calls = list(trace.calls)
+    first_mm = next(i for i, c in enumerate(calls) if str(c.op) == "aten.mm.default")
+    calls[first_mm] = refusing  # zeros: False, which it refuses
+    cap = trace.ops[largest].working_set_bytes - 1
+    with caplog.at_level(logging.INFO, logger="lms"):
+        timings = time_ops(dataclasses.replace(trace, calls=tuple(calls)), CPU, max_bytes=cap)
+    assert timings.seconds[first_mm] is None
+    too_large = [i for i, op in enumerate(trace.ops) if op.working_set_bytes > cap]
+    assert largest in too_large and all(timings.seconds[i] is None for i in too_large)
+    assert "refused made-up data" in caplog.text and "1 refused" in caplog.text
+    spec = tuning.local_device_spec(CPU)
+    rates = op_seconds(trace, spec, False)
+    timed = op_seconds(trace, spec.with_op_timings(timings), False)
+    for i in (first_mm, *too_large):
+        assert timed[i] == rates[i]
+    # none timed after the time allowed: every op but the views keeps the rates
+    late = time_ops(trace, CPU, limit_s=0.0)
+    assert all(
+        s == (0.0 if c.op.is_view else None) for s, c in zip(late.seconds, trace.calls, strict=True)
+    )
+
+
+def test_the_simulator_takes_the_times_for_the_trace_timed_alone():
+    trace = _trace(_net())
+    other = _trace(_net(), batch=16)
+    spec = DEVICES["cpu"]
+    seconds = tuple(1e-3 * (i + 1) for i in range(len(trace.ops)))
+    timed = spec.with_op_timings(OpTimings(fingerprint=trace.fingerprint(), seconds=seconds))
+    got = op_seconds(trace, timed, False)
+    assert got == pytest.approx([spec.op_overhead_s + s for s in seconds], rel=1e-12)
+    assert simulate(trace, None, timed).base_step_s == pytest.approx(sum(got), rel=1e-9)
+    # another trace (another batch), or one of another length, is priced by the rates
+    assert op_seconds(other, timed, False) == op_seconds(other, spec, False)
+    short = OpTimings(fingerprint=trace.fingerprint(), seconds=seconds[:-1])
+    assert op_seconds(trace, spec.with_op_timings(short), False) == op_seconds(trace, spec, False)
+    # the spec stays a cheap key that keeps its identity
+    assert hash(timed) == hash(timed) and timed != spec and "op_timings" not in repr(timed)
+
+
+def test_a_cpu_plan_is_tuned_on_the_times_of_its_own_ops(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(tuning, "_TIMED", {})
+    model = _net(width=256)
+    batch = (torch.randn(64, 256),)
+    seen = []
+
+    def planner(trace, spec, budget, **options):
+        seen.append(spec.op_timings)
+        from lms.planning import plan_auto
+
+        return plan_auto(trace, spec, budget, **options)
+
+    with caplog.at_level(logging.INFO, logger="lms"):
+        tuning.tune_plan(
+            model, batch, None, budget_bytes=2**30, min_offload_bytes=0, planner=planner
+        )
+        tuning.tune_plan(
+            model, batch, None, budget_bytes=2**30, min_offload_bytes=0, planner=planner
+        )
+    assert len(seen) == 1 and seen[0] is not None and seen[0].timed > 0
+    # the second found the first's plan in the cache, and timed nothing
+    assert caplog.text.count("[LMS] Timed") == 1
+    # tuned again in this process, the step is priced as before: its times are kept
+    tuning.tune_plan(
+        model, batch, None, budget_bytes=2**30 - 512, min_offload_bytes=0, planner=planner
+    )
+    tuning.tune_plan(
+        model,
+        batch,
+        None,
+        budget_bytes=2**30,
+        min_offload_bytes=0,
+        planner=planner,
+        cache_dir=str(tmp_path),
+    )
+    assert len(seen) == 3 and seen[2] is seen[0] and seen[1] is not seen[0]

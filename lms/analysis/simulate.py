@@ -152,8 +152,8 @@ def op_seconds(
 # spec's per-op overhead, for the framework's own work around each op) in place of the rates,
 # for that trace alone (the fingerprint must match). Ops not timed keep the rates. Replays are
 # the same ops, so a plan prices its recomputation at what it costs too. Seven steps of the
-# seed's models (`benchmarks/step_time.py`) were predicted within -12% to +2% of their runs by
-# the times, -27% to +16% by the rates measured in the same process. Ops are timed on a warm
+# seed's models (`benchmarks/step_time.py`) were predicted within -11% to -1% of their runs by
+# the times, -28% to +11% by the rates measured in the same process. Ops are timed on a warm
 # heap (Note [Fresh pages on a CPU]), each the fastest of its runs: below 32 MiB a step's
 # tensors mostly reuse memory (an 8 MiB ReLU gradient took 2.4 ms timed on a cold heap, 0.75
 # in a step), though not always (a 16 MiB one took 4.7 ms in a step, 0.9 timed warm).

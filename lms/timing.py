@@ -135,7 +135,11 @@ def _time_in_child(
     payload = pickle.dumps((str(device), torch.get_num_threads(), limit_s, sendable))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     # stderr stays the step's: the child's progress bar, and what it says if it dies
-    child = subprocess.Popen(_CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        child = subprocess.Popen(_CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    except OSError as error:  # no Python to start (an embedded interpreter)
+        log.warning("[LMS] No process could time ops (%s); they are priced by the rates", error)
+        return {}
     try:
         out, _ = child.communicate(payload, timeout=limit_s + _START_S)
     except subprocess.TimeoutExpired:
@@ -167,6 +171,11 @@ def _time_in_child(
 def _main() -> None:
     """The timing process: jobs in on stdin, ``(position, seconds)`` pickles out as each is
     timed."""
+    try:  # short of memory, the kernel ends this process rather than the step's
+        with open("/proc/self/oom_score_adj", "w") as score:
+            score.write("1000")
+    except OSError:  # not Linux
+        pass
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # whatever else prints, not in the pickles
     device_name, threads, limit_s, jobs = pickle.load(sys.stdin.buffer)

@@ -71,13 +71,23 @@ def test_ops_are_timed_in_a_process_of_their_own():
     assert all(s > 0 for s, c in zip(timings.seconds, trace.calls, strict=True) if not c.op.is_view)
 
 
-def test_a_timing_process_that_dies_leaves_the_rates_and_the_step_runs(monkeypatch, caplog):
+@pytest.mark.parametrize(
+    ("child", "said"),
+    [
+        (
+            (sys.executable, "-c", "import sys; sys.stdin.buffer.read(); sys.exit(3)"),
+            "ended with code 3 after 0 of",
+        ),
+        (("/nonexistent/python",), "No process could time ops"),
+    ],
+    ids=["dies", "cannot-start"],
+)
+def test_a_timing_process_that_fails_leaves_the_rates(monkeypatch, caplog, child, said):
     trace = _trace(_net())
-    died = (sys.executable, "-c", "import sys; sys.stdin.buffer.read(); sys.exit(3)")
-    monkeypatch.setattr(timing, "_CHILD", died)
+    monkeypatch.setattr(timing, "_CHILD", child)
     with caplog.at_level(logging.WARNING, logger="lms"):
         timings = time_ops(trace, CPU)
-    assert "ended with code 3 after 0 of" in caplog.text
+    assert said in caplog.text
     for taken, call in zip(timings.seconds, trace.calls, strict=True):
         assert taken == (0.0 if call.op.is_view else None)
     spec = DEVICES["cpu"]

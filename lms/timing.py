@@ -100,7 +100,7 @@ def time_ops(
         jobs.append((str(call.op), call.args, call.kwargs))
         owners.append(indices)
     started = time.perf_counter()
-    results = _time_in_child(jobs, device, limit_s)
+    results = _time_in_child(jobs, device, limit_s) if jobs else {}
     for job, indices in enumerate(owners):
         for index in indices:
             seconds[index] = results.get(job)

@@ -188,3 +188,22 @@ def test_a_cpu_plan_is_tuned_on_the_times_of_its_own_ops(monkeypatch, caplog, tm
         cache_dir=str(tmp_path),
     )
     assert len(seen) == 3 and seen[2] is seen[0] and seen[1] is not seen[0]
+
+
+def test_ctrl_c_while_timing_leaves_no_timing_process(monkeypatch):
+    trace = _trace(_net())
+    started = []
+    real = timing.subprocess.Popen
+
+    class Interrupted(real):  # the user presses Ctrl-C while the child times
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+        def communicate(self, *args, **kwargs):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(timing.subprocess, "Popen", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        time_ops(trace, CPU)
+    assert len(started) == 1 and started[0].poll() is not None  # ended, and reaped

@@ -154,9 +154,14 @@ def test_measured_compute_prices_ops_and_hides_copies(report):
     fast, slow = simulate(trace, plan, peak), simulate(trace, plan, measured)
     assert slow.base_step_s > 5 * fast.base_step_s
     assert slow.overhead < fast.overhead  # the same copies hide behind longer compute
-    assert analyze(deep, lambda: [torch.randn(1, 3, 32, 32)], device_spec="local").spec.name == (
-        "cpu"
-    )
+    local = analyze(deep, lambda: [torch.randn(1, 3, 32, 32)], device_spec="local")
+    assert local.spec.name == "cpu"
+    # Note [Ops timed on the device]: the local CPU prices this step's ops at their own times
+    timings = local.spec.op_timings
+    assert timings is not None and timings.timed > 0
+    assert timings.fingerprint == local.trace.fingerprint()
+    named = analyze(deep, lambda: [torch.randn(1, 3, 32, 32)], device_spec="v100-32gb")
+    assert named.spec.op_timings is None
 
 
 def test_ops_that_make_storages_the_allocator_maps_anew_pay_their_first_writes():

@@ -18,8 +18,7 @@ from lms._units import check_counts, format_bytes
 from lms.analysis import report_for, simulate, trace_step
 from lms.bench.memory import PeakMemory, tensors_bytes
 from lms.runtime import LMS
-from lms.timing import time_ops
-from lms.tuning import local_device_spec
+from lms.tuning import local_device_spec, with_local_timings
 from lms.zoo import zoo_model
 
 __all__ = ["run_demo"]
@@ -63,8 +62,7 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
         device=device,
         name=f"{MODEL} {size}px batch {batch}",
     )
-    if device.type == "cpu":  # Note [Ops timed on the device]
-        spec = spec.with_op_timings(time_ops(trace, device))
+    spec = with_local_timings(spec, trace, device)
     plain_peak = simulate(trace, None, spec).peak_tensor_bytes
     budget = int(plain_peak * BUDGET_FRACTION)
     log.info(

@@ -106,8 +106,9 @@ def time_ops(
             seconds[index] = results.get(job)
     timings = OpTimings(fingerprint=trace.fingerprint(), seconds=tuple(seconds))
     log.info(
-        "[LMS] Timed %d distinct calls of %d ops on %s in %.1f s (%d left to the rates: %d "
-        "over the memory allowed, %d over the time, %d refused made-up data)",
+        "[LMS] Timed %d of %d distinct calls of %d ops on %s in %.1f s (%d ops left to the "
+        "rates: calls %d over the memory allowed, %d over the time, %d refused made-up data)",
+        sum(taken is not None for taken in results.values()),
         len(groups),
         len(trace.ops),
         device,
@@ -125,13 +126,12 @@ def _time_in_child(
 ) -> dict[int, float | None]:
     """Each job's seconds (None: it raised), by position, timed by a process of its own; jobs
     it did not reach (its time was up, or it died) are left out."""
-    sendable = []
+    sendable: list[bytes | None] = []
     for job in jobs:
         try:
-            pickle.dumps(job)
+            sendable.append(pickle.dumps(job))
         except Exception:  # an argument that cannot be sent (an object of the user's)
-            job = ("", (), {})
-        sendable.append(job)
+            sendable.append(None)
     payload = pickle.dumps((str(device), torch.get_num_threads(), limit_s, sendable))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     # stderr stays the step's: the child's progress bar, and what it says if it dies
@@ -156,7 +156,7 @@ def _time_in_child(
             job, taken = pickle.load(stream)
         except Exception:  # the end, or a message cut short by the child's death
             break
-        results[job] = taken if sendable[job][0] else None
+        results[job] = taken
     if child.returncode != 0:
         log.warning(
             "[LMS] The process timing ops ended with code %s after %d of %d calls; the rest "
@@ -190,10 +190,13 @@ def _main() -> None:
     started = time.perf_counter()
     bar = tqdm(jobs, desc="timing ops", unit="op", leave=False, disable=None)
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
-        for position, (name, args, kwargs) in enumerate(bar):
+        for position, job in enumerate(bar):
             if time.perf_counter() - started > limit_s:
                 break
-            taken = _time_call(name, args, kwargs, device) if name else None
+            taken = None
+            if job is not None:
+                name, args, kwargs = pickle.loads(job)
+                taken = _time_call(name, args, kwargs, device)
             pickle.dump((position, taken), out)
             out.flush()
 

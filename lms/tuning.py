@@ -36,6 +36,7 @@ __all__ = [
     "measure_link_gbps",
     "measure_spill_gbps",
     "tune_plan",
+    "with_local_timings",
 ]
 
 log = logging.getLogger("lms.tuning")
@@ -299,19 +300,25 @@ def _local_cpu_spec() -> DeviceSpec:
     )
 
 
-_TIMED: dict[tuple[str, str, int], OpTimings] = {}
+_TIMED: dict[tuple[str, str, int | None], OpTimings] = {}
 """Times of traces' ops measured in this process, by fingerprint, device and budget."""
 
 
-def _timed(trace: Trace, device: torch.device, budget: int) -> OpTimings:
-    """`lms.timing.time_ops` of ``trace`` once a process for each device and budget, so that
-    tuning the same step twice prices it alike, as the rates are (the last 16 kept)."""
+def with_local_timings(
+    spec: DeviceSpec, trace: Trace, device: torch.device, budget: int | None = None
+) -> DeviceSpec:
+    """``spec`` with the times of ``trace``'s ops where ``device`` is a CPU (Note [Ops timed on
+    the device]; ops over ``budget`` keep the rates), timed once a process for each step,
+    device and budget, so that tuning the same step twice prices it alike, as the rates are
+    (the last 16 kept); ``spec`` as it is on a GPU."""
+    if device.type != "cpu":
+        return spec
     key = (trace.fingerprint(), str(device), budget)
     if key not in _TIMED:
         while len(_TIMED) >= 16:
             del _TIMED[next(iter(_TIMED))]
         _TIMED[key] = time_ops(trace, device, max_bytes=budget)
-    return _TIMED[key]
+    return spec.with_op_timings(_TIMED[key])
 
 
 def _cores() -> int:
@@ -437,8 +444,7 @@ def tune_plan(
     if loaded is not None:
         plan = loaded
     else:
-        if device.type == "cpu":  # Note [Ops timed on the device]
-            spec = spec.with_op_timings(_timed(trace, device, budget))
+        spec = with_local_timings(spec, trace, device, budget)
         if trace.compiled:
             log.info(
                 "[LMS] The model or the step is compiled: its plan recomputes nothing, since "

@@ -189,10 +189,10 @@ def analyze(
         name=name,
     )
     trace_seconds = time.perf_counter() - started
-    if device_spec == "local" and torch.device(trace.device).type == "cpu":
-        from lms.timing import time_ops  # Note [Ops timed on the device]
+    if device_spec == "local":
+        from lms.tuning import with_local_timings
 
-        spec = spec.with_op_timings(time_ops(trace, torch.device("cpu"), max_bytes=budget))
+        spec = with_local_timings(spec, trace, torch.device(trace.device), budget)
     return report_for(
         trace,
         spec,

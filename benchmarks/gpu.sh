@@ -8,8 +8,9 @@
 #   benchmarks/gpu.sh link resnet50   # some parts: link pinning resnet50 resnet50_amp unet3d
 #                                     # deeplabv3 analyze resnet50_4x resnet50_10x resnet50_9x
 #                                     # (the last three not in "everything": 3, 8 and 8 minutes)
-#   benchmarks/gpu.sh headline        # the seed's two ResNet50 figures first, for a short lease
-#                                     # (about 6 minutes): 11500 px (8.3x), then the 4x sweep
+#   benchmarks/gpu.sh headline        # the seed's ResNet50 figures first, for a short lease
+#                                     # (about 6 minutes): 12650 px with free_held (10x), then
+#                                     # the 4x sweep, save_on_cpu beside LMS
 #   SIZES=4000,8000 benchmarks/gpu.sh resnet50   # other sizes for the sweeps named
 #
 # Results go to $LMS_RESULTS (default benchmarks/results/gpu-<card>/). Each sweep stops starting
@@ -73,8 +74,8 @@ print(info); json.dump(info, open('$out/link.json', 'w'), indent=2)
     resnet50_10x) train_32gb resnet50_10x "${SIZES:-12650}" --free-held ;;
     resnet50_9x) train_32gb resnet50_9x "${SIZES:-12000}" ;;
     headline)
-      train_32gb resnet50_11500 11500
-      sweep resnet50_4x resnet50 4000,8000 240 --methods none,lms ;;
+      train_32gb resnet50_10x "${SIZES:-12650}" --free-held
+      sweep resnet50_4x resnet50 4000,8000 300 --methods none,lms,save_on_cpu ;;
     analyze)
       for model in resnet50:8000 unet3d:288 deeplabv3:1400; do
         $PY -m lms -q analyze --model "${model%%:*}" --image-size "${model##*:}" \

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from lms.analysis.devices import FRESH_PAGES_BYTES, OpTimings
 from lms.analysis.records import TensorMeta, Trace
 
-__all__ = ["time_ops"]
+__all__ = ["apply_backend_settings", "backend_settings", "time_ops"]
 
 log = logging.getLogger("lms.timing")
 
@@ -132,7 +132,9 @@ def _time_in_child(
             sendable.append(pickle.dumps(job))
         except Exception:  # an argument that cannot be sent (an object of the user's)
             sendable.append(None)
-    payload = pickle.dumps((str(device), torch.get_num_threads(), limit_s, sendable))
+    payload = pickle.dumps(
+        (str(device), torch.get_num_threads(), limit_s, backend_settings(), sendable)
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     # stderr stays the step's: the child's progress bar, and what it says if it dies
     try:
@@ -168,6 +170,30 @@ def _time_in_child(
     return results
 
 
+def backend_settings() -> dict[str, Any]:
+    """The settings of this process that choose which kernel an op runs: TF32 for matrix
+    products and convolutions, cuDNN's benchmarking of algorithms, deterministic algorithms."""
+    return {
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark,
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+    }
+
+
+def apply_backend_settings(settings: dict[str, Any]) -> None:
+    """Make this process choose kernels as the one whose `backend_settings` these are."""
+    torch.set_float32_matmul_precision(settings["matmul_precision"])
+    torch.backends.cudnn.allow_tf32 = settings["cudnn_tf32"]
+    torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
+    torch.backends.cudnn.deterministic = settings["cudnn_deterministic"]
+    torch.use_deterministic_algorithms(
+        settings["deterministic"], warn_only=settings["deterministic_warn_only"]
+    )
+
+
 def _main() -> None:
     """The timing process: jobs in on stdin, ``(position, seconds)`` pickles out as each is
     timed."""
@@ -178,9 +204,12 @@ def _main() -> None:
         pass
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # whatever else prints, not in the pickles
-    device_name, threads, limit_s, jobs = pickle.load(sys.stdin.buffer)
+    device_name, threads, limit_s, settings, jobs = pickle.load(sys.stdin.buffer)
     torch.set_num_threads(threads)
+    apply_backend_settings(settings)
     device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if device.type == "cpu":
         # Note [Fresh pages on a CPU]: glibc maps an allocation anew until it has freed a mapped
         # one that large; a step's first allocations move its threshold to 32 MiB, and below it

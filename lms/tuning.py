@@ -25,7 +25,7 @@ from lms.cache import cache_folder, cache_path, load_cached, planner_code, save_
 from lms.errors import HostMemoryError, SpillError
 from lms.plan import Plan
 from lms.runtime._cuda import pin_host, unpin_host
-from lms.timing import time_ops
+from lms.timing import backend_settings, time_ops
 
 __all__ = [
     "ComputeRates",
@@ -300,20 +300,20 @@ def _local_cpu_spec() -> DeviceSpec:
     )
 
 
-_TIMED: dict[tuple[str, str, int | None], OpTimings] = {}
-"""Times of traces' ops measured in this process, by fingerprint, device and budget."""
+_TIMED: dict[tuple[Any, ...], OpTimings] = {}
+"""Times of traces' ops measured in this process, by fingerprint, device, budget and kernel
+settings."""
 
 
 def with_local_timings(
     spec: DeviceSpec, trace: Trace, device: torch.device, budget: int | None = None
 ) -> DeviceSpec:
-    """``spec`` with the times of ``trace``'s ops where ``device`` is a CPU (Note [Ops timed on
-    the device]; ops over ``budget`` keep the rates), timed once a process for each step,
-    device and budget, so that tuning the same step twice prices it alike, as the rates are
-    (the last 16 kept); ``spec`` as it is on a GPU."""
-    if device.type != "cpu":
-        return spec
-    key = (trace.fingerprint(), str(device), budget)
+    """``spec`` with the times of ``trace``'s ops on ``device`` (Note [Ops timed on the
+    device]; ops over ``budget`` keep the rates), timed once a process for each step, device,
+    budget and kernel settings (`lms.timing.backend_settings`), so that tuning the same step
+    twice prices it alike, as the rates are (the last 16 kept)."""
+    settings = tuple(sorted(backend_settings().items()))
+    key = (trace.fingerprint(), str(device), budget, settings)
     if key not in _TIMED:
         while len(_TIMED) >= 16:
             del _TIMED[next(iter(_TIMED))]

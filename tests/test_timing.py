@@ -135,6 +135,30 @@ def test_calls_that_cannot_run_here_keep_the_rates(caplog):
     )
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_timing_process_chooses_kernels_as_the_step_does(deterministic):
+    """TF32, cuDNN's benchmarking and deterministic algorithms go to the timing process: here
+    an op without a deterministic kernel, which raises there only where it would in the step."""
+    put = (
+        "aten.put_.default",
+        tuple(
+            TensorMeta((n,), (1,), dtype, "cpu")
+            for n, dtype in ((4, torch.float32), (2, torch.int64), (2, torch.float32))
+        ),
+        {},
+    )
+    before = timing.backend_settings()
+    try:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_float32_matmul_precision("medium")
+        sent = timing.backend_settings()
+        results = timing._time_in_child([put], CPU, limit_s=30.0)
+    finally:
+        timing.apply_backend_settings(before)
+    assert sent["matmul_precision"] == "medium" and timing.backend_settings() == before
+    assert set(results) == {0} and (results[0] is None) == deterministic
+
+
 def test_the_simulator_takes_the_times_for_the_trace_timed_alone():
     trace = _trace(_net())
     other = _trace(_net(), batch=16)
@@ -188,6 +212,32 @@ def test_a_cpu_plan_is_tuned_on_the_times_of_its_own_ops(monkeypatch, caplog, tm
         cache_dir=str(tmp_path),
     )
     assert len(seen) == 3 and seen[2] is seen[0] and seen[1] is not seen[0]
+
+
+def test_a_gpu_plan_is_priced_at_its_ops_timed_on_the_card(monkeypatch):
+    """Where the rates misprice a GPU's ops too (Note [Ops timed on the device]); timed again
+    when the kernel settings change, as they choose other kernels."""
+    monkeypatch.setattr(tuning, "_TIMED", {})
+    trace = _trace(_net())
+    asked = []
+
+    def timed(trace, device, *, max_bytes=None):
+        asked.append((device, max_bytes))
+        return OpTimings(trace.fingerprint(), tuple(1e-3 for _ in trace.ops))
+
+    monkeypatch.setattr(tuning, "time_ops", timed)
+    cuda = torch.device("cuda")
+    spec = DEVICES["h100-80gb"]
+    first = tuning.with_local_timings(spec, trace, cuda, 2**30)
+    assert asked == [(cuda, 2**30)] and first.op_timings is not None
+    assert tuning.with_local_timings(spec, trace, cuda, 2**30).op_timings is first.op_timings
+    benchmark = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = not benchmark
+        tuning.with_local_timings(spec, trace, cuda, 2**30)
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+    assert len(asked) == 2
 
 
 def test_ctrl_c_while_timing_leaves_no_timing_process(monkeypatch):

@@ -37,6 +37,7 @@ Note: [Pinned to the byte]
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 import torch
 
@@ -44,7 +45,6 @@ __all__ = ["CopyEngine", "pin_host", "unpin_host"]
 
 _OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation
 _PORTABLE = 1  # cudaHostRegisterPortable
-_PAGE = 4096
 
 
 def pin_host(nbytes: int) -> torch.Tensor | None:
@@ -62,11 +62,11 @@ def pin_host(nbytes: int) -> torch.Tensor | None:
 
 
 def page_aligned(nbytes: int) -> torch.Tensor:
-    """A plain uint8 host buffer of ``nbytes`` from a page boundary: whole pages (``nbytes`` a
-    multiple of 4096), shared with no other buffer's registration."""
-    raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % _PAGE
-    return raw[start : start + nbytes]
+    """A plain uint8 host buffer of ``nbytes`` (a multiple of 4096) in pages of its own: an
+    anonymous mapping, so that its storage starts where its registration does and
+    ``is_pinned()`` tells the truth (PyTorch asks the driver about the storage's first byte).
+    The tensor holds the mapping; the pages go back to the system with the last reference."""
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
 
 
 def unpin_host(buf: torch.Tensor) -> None:

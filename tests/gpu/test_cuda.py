@@ -363,7 +363,9 @@ def test_lightning_fit_on_cuda_is_bitwise_and_under_its_budget(spill_dir):
         return model, torch.cuda.max_memory_allocated()
 
     plain, plain_peak = peak_of([])
-    budget = int(0.8 * plain_peak)
+    # Under the plain run's peak by less than an activation: a plan on a CUDA device leaves the
+    # workspace margin and the allocator's slack (768 MiB together), so it must offload.
+    budget = int(0.9 * plain_peak)
     callback = LMSCallback(budget=budget, min_offload_bytes=0, spill_dir=spill_dir)
     offloaded, peak = peak_of([callback])
     for a, b in zip(plain.state_dict().values(), offloaded.state_dict().values(), strict=True):

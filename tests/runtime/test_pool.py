@@ -200,6 +200,8 @@ def test_pin_host_locks_whole_pages_and_answers_a_refusal(monkeypatch, code):
         assert (buf is None) == (code != 0)
         if buf is not None:
             assert (buf.data_ptr(), buf.numel()) == calls[0][:2]
+            # is_pinned() asks the driver about the storage's first byte: the registered one
+            assert buf.untyped_storage().data_ptr() == buf.data_ptr()
     ptr, size, flags = calls[0]
     assert ptr % 4096 == 0 and size == nbytes and flags == 1  # portable: for every device
     assert resets == ([] if code == 0 else [code])  # the next kernel launch must not see it

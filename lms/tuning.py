@@ -169,18 +169,22 @@ def _with_gradients(
 _MEASURED: dict[tuple[int, bool], tuple[float, float, ComputeRates]] = {}
 """Link and compute rates measured in this process, by GPU index and whether TF32 is allowed."""
 
-_MEASURED_CPU: dict[int, tuple[ComputeRates, float, float, float | None]] = {}
-"""Compute rates of this CPU, its spill files' write and read rates and its fresh pages' rate
-(GB/s) measured in this process, by PyTorch's intra-op thread count: rates, laid over the
-table's "cpu" entry at each call, so that the entry's other figures stay the table's."""
+_MEASURED_CPU: dict[int, tuple[ComputeRates, float, float, float | None, float | None]] = {}
+"""Compute rates of this CPU, its spill files' write and read rates, and its fresh pages' rates
+as ops write them and as reads fill them (GB/s), measured in this process, by PyTorch's
+intra-op thread count: rates, laid over the table's "cpu" entry at each call, so that the
+entry's other figures stay the table's."""
 
 
 def measure_spill_gbps(
     spill_dir: str | None = None, files: int = 4, nbytes: int = 16 * 1024**2
-) -> tuple[float, float]:
-    """Write and read rates (GB/s) of spill files in ``spill_dir`` (None: the system's temporary
-    folder), as the runtime moves them: ``files`` files of ``nbytes`` written and read back into
-    fresh memory by the spill store's thread, the median of three rounds.
+) -> tuple[float, float, float | None]:
+    """Rates (GB/s) of spill files in ``spill_dir`` (None: the system's temporary folder), as
+    the runtime moves them, each the median of three rounds: ``files`` files of ``nbytes``
+    written, then read back into memory written before, by the spill store's thread; and the
+    rate at which a read back first writes memory mapped anew for it, on top of that read
+    (Note [Reads back into fresh pages]: a file of `FRESH_PAGES_BYTES` read into fresh memory
+    against into memory written before; None where that costs nothing more).
 
     Raises:
         SpillError: the folder is not usable or has not room for them.
@@ -188,26 +192,36 @@ def measure_spill_gbps(
     from lms.runtime.disk import SpillStore
 
     data = [torch.full((nbytes,), k, dtype=torch.uint8) for k in range(files)]
+    targets = [torch.zeros_like(chunk) for chunk in data]
+    large = torch.ones(FRESH_PAGES_BYTES, dtype=torch.uint8)
+    warm = torch.zeros_like(large)
     store = SpillStore(spill_dir)
     rounds = []
     try:
+        store.write(files, large).result()
         for _ in range(3):
             start = time.perf_counter()
             for write in [store.write(k, chunk) for k, chunk in enumerate(data)]:
                 write.result()
             written = time.perf_counter()
-            for read in [store.read(k, torch.empty_like(chunk)) for k, chunk in enumerate(data)]:
+            for read in [store.read(k, into) for k, into in enumerate(targets)]:
                 read.result()
             done = time.perf_counter()
             for k in range(files):
                 store.delete(k, nbytes)
-            rounds.append((written - start, done - written))
+            store.read(files, warm).result()
+            fresh = time.perf_counter()
+            store.read(files, torch.empty_like(large)).result()
+            faults = (time.perf_counter() - fresh) - (fresh - done)
+            rounds.append((written - start, done - written, faults))
     finally:
         store.close()
     moved = files * nbytes / 1e9
+    faults = statistics.median(f for _, _, f in rounds)
     return (
-        moved / statistics.median(w for w, _ in rounds),
-        moved / statistics.median(r for _, r in rounds),
+        moved / statistics.median(w for w, _, _ in rounds),
+        moved / statistics.median(r for _, r, _ in rounds),
+        FRESH_PAGES_BYTES / faults / 1e9 if faults > 0 else None,
     )
 
 
@@ -244,13 +258,18 @@ def measure_fresh_memory_gbps(pairs: int = 9) -> float | None:
 # many small ops; DeepLabV3 -8% and +4%; the 3D U-Net -20% and -10%, under bfloat16 +1% and
 # +10%). The forward alone runs faster than a step's mix (120 to 200 GFLOP/s fp32),
 # hence both gradients here; a GPU's rates stay its forward's (Note [Why measure compute]). The
-# link is the spill store's own write and read rates, into the page cache and back into fresh
-# memory (4 and 2 GB/s here, where the entry has 1.5 and 3; the entry's where the temporary
-# folder refuses them), and copies take compute's cores while its threads fill them (Note
+# link is the spill store's own write and read rates, into the page cache and back into memory
+# written before (5 and 12 GB/s here, where the entry has 1.5 and 3; the entry's where the
+# temporary folder refuses them), with the faults of reads into fresh memory on top (2.7 GB/s:
+# Note [Reads back into fresh pages]), and copies take compute's cores while its threads fill them (Note
 # [Copies on a CPU take its cores]); the rate of first writes to fresh pages is measured too
 # (Note [Fresh pages on a CPU]). Each rate is the median of three rounds: rounds on a
 # shared machine vary by a third, and so do its steps. A plan tuned for this CPU then prices
 # its step's ops at their own times where it can (Note [Ops timed on the device]).
+def _fresh_rate(gbps: float | None) -> str:
+    return "at no extra cost" if gbps is None else f"{gbps:.1f} GB/s"
+
+
 def _local_cpu_spec() -> DeviceSpec:
     threads = torch.get_num_threads()
     if threads not in _MEASURED_CPU:
@@ -262,9 +281,9 @@ def _local_cpu_spec() -> DeviceSpec:
         )
         table = DEVICES["cpu"]
         try:
-            write, read = measure_spill_gbps()
+            write, read, fresh_read = measure_spill_gbps()
         except (SpillError, OSError) as error:
-            write, read = table.d2h_gbps, table.h2d_gbps
+            write, read, fresh_read = table.d2h_gbps, table.h2d_gbps, table.fresh_read_gbps
             log.warning(
                 "[LMS] Spill files could not be measured in the temporary folder (%s); plans "
                 "price them at %.1f GB/s written and %.1f read",
@@ -273,21 +292,22 @@ def _local_cpu_spec() -> DeviceSpec:
                 read,
             )
         fresh = measure_fresh_memory_gbps()
-        _MEASURED_CPU[threads] = (rates, write, read, fresh)
+        _MEASURED_CPU[threads] = (rates, write, read, fresh, fresh_read)
         log.info(
             "[LMS] CPU, %d threads on %d cores: measured convolution %.0f GFLOP/s fp32, %.0f "
             "GFLOP/s bf16; memory %.0f GB/s, fresh pages %s; spill files %.1f GB/s written, "
-            "%.1f GB/s read",
+            "%.1f GB/s read, fresh pages %s as they are read into",
             threads,
             _cores(),
             rates.flops / 1e9,
             rates.flops_half / 1e9,
             rates.bandwidth_gbps,
-            "at no extra cost" if fresh is None else f"{fresh:.1f} GB/s",
+            _fresh_rate(fresh),
             write,
             read,
+            _fresh_rate(fresh_read),
         )
-    rates, write, read, fresh = _MEASURED_CPU[threads]
+    rates, write, read, fresh, fresh_read = _MEASURED_CPU[threads]
     return dataclasses.replace(
         DEVICES["cpu"],
         peak_flops=rates.flops,
@@ -296,6 +316,7 @@ def _local_cpu_spec() -> DeviceSpec:
         d2h_gbps=write,
         h2d_gbps=read,
         fresh_memory_gbps=fresh,
+        fresh_read_gbps=fresh_read,
         copies_take_compute=threads >= _cores(),
     )
 

@@ -60,7 +60,7 @@ def test_local_cpu_spec_measures_once_per_thread_count_and_takes_medians(monkeyp
 
     def spill():
         calls["spill"] += 1
-        return 4.0, 2.0
+        return 4.0, 2.0, 1.5
 
     monkeypatch.setattr(tuning, "_MEASURED_CPU", {})
     monkeypatch.setattr(tuning, "measure_compute", compute)
@@ -79,7 +79,7 @@ def test_local_cpu_spec_measures_once_per_thread_count_and_takes_medians(monkeyp
             50.0,
         )
         assert (spec.d2h_gbps, spec.h2d_gbps) == (4.0, 2.0) and spec.copies_take_compute
-        assert spec.fresh_memory_gbps == 3.5
+        assert (spec.fresh_memory_gbps, spec.fresh_read_gbps) == (3.5, 1.5)
         assert spec.name == "cpu" and spec.cpu_scratch  # the table's entry, otherwise
         torch.set_num_threads(2)  # a core left for the copies' thread
         fewer = tuning.local_device_spec(torch.device("cpu"))
@@ -106,8 +106,8 @@ def test_a_temporary_folder_that_refuses_spill_files_leaves_the_tables_link(monk
 
 
 def test_spill_rates_are_measured_in_the_spill_folder_and_leave_nothing(tmp_path):
-    write, read = tuning.measure_spill_gbps(str(tmp_path), files=2, nbytes=1024**2)
-    assert write > 0 and read > 0
+    write, read, fresh_read = tuning.measure_spill_gbps(str(tmp_path), files=2, nbytes=1024**2)
+    assert write > 0 and read > 0 and (fresh_read is None or fresh_read > 0)
     assert list(tmp_path.iterdir()) == []
 
 

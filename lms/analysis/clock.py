@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from lms.analysis.devices import DeviceSpec
+from lms.analysis.devices import FRESH_PAGES_BYTES, DeviceSpec
 from lms.analysis.recompute import Recipe, recipes
 from lms.analysis.records import JunctionRecord, Trace
 from lms.plan import Plan
@@ -114,6 +114,7 @@ class Clock:
         )
         self.d2h_bw = spec.d2h_gbps * 1e9
         self.h2d_bw = spec.h2d_gbps * 1e9
+        self.fresh_read_bw = None if spec.fresh_read_gbps is None else spec.fresh_read_gbps * 1e9
         self.write_bw = spec.disk_write_gbps * 1e9
         self.read_bw = spec.disk_read_gbps * 1e9
         self.start = [0.0] * (len(trace.ops) + 1)
@@ -315,6 +316,23 @@ class Clock:
         if self.sync_out:  # the runtime waits for every copy out, these too
             self._wait_until(self.d2h_free)
 
+    # Note: [Reads back into fresh pages]
+    # On a CPU a storage read back from its spill file lands in memory allocated for it, and
+    # from `FRESH_PAGES_BYTES` on glibc maps that anew (Note [Fresh pages on a CPU]): the spill
+    # store's one thread faults each page in as the read fills it. Here a 32 MiB file in the
+    # page cache was read at 12 GB/s into memory written before and at 1.8 GB/s into fresh
+    # memory; ResNet50 at 512 px, batch 2, reads back 32 MiB activations, and its demo plan,
+    # priced at the spill store's rate into reused memory, waited 0.16 s a step for reads
+    # where it was priced to wait for none. The spec measures both (`lms.tuning.
+    # measure_spill_gbps`), and a read back of that size costs the read plus the faults.
+    def _in_seconds(self, size: int) -> float:
+        """Seconds to bring ``size`` bytes back over the link (Note [Reads back into fresh
+        pages])."""
+        seconds = size / self.h2d_bw
+        if self.fresh_read_bw is not None and size >= FRESH_PAGES_BYTES:
+            seconds += size / self.fresh_read_bw
+        return seconds
+
     def _load(self, ordinal: int) -> None:
         """Start bringing ``ordinal`` back now, after copies in already queued."""
         size = self.entries[ordinal][1]
@@ -324,8 +342,9 @@ class Clock:
             return
         self.in_issue[ordinal] = self.now
         begin = max(self.now, self.h2d_free, self.out_done.get(ordinal, 0.0))
-        self.h2d_free = self.in_done[ordinal] = begin + size / self.h2d_bw
-        self._taken_from_compute(size / self.h2d_bw)
+        seconds = self._in_seconds(size)
+        self.h2d_free = self.in_done[ordinal] = begin + seconds
+        self._taken_from_compute(seconds)
 
     def _arrive(self, ordinal: int) -> None:
         """Wait until ``ordinal`` is back on the device (a spilled one: read, then copied in)."""
@@ -370,7 +389,7 @@ class Clock:
             return False
         following = [op for op in uses if op >= self.at_op]
         if not following:
-            self._block(self.entries[source][1] / self.h2d_bw)
+            self._block(self._in_seconds(self.entries[source][1]))
         elif (source, following[0]) not in self.reloaded_early:  # else held since a replay
             self.reloaded_early.add((source, following[0]))
             self._reload(source)
@@ -386,7 +405,7 @@ class Clock:
             return
         begin = max(self.now, self.h2d_free)
         self.reload_start[ordinal].append(begin)
-        self.h2d_free = begin + size / self.h2d_bw
+        self.h2d_free = begin + self._in_seconds(size)
         self._wait_until(self.h2d_free)
 
     def _join(self, ordinal: int) -> None:

@@ -91,6 +91,10 @@ class DeviceSpec:
     """Rate, GB/s, at which an op first writes memory the allocator maps for it anew, on top of
     its traffic (Note [Fresh pages on a CPU]): the "cpu" spec, for storages of at least
     `FRESH_PAGES_BYTES`; None where that costs nothing more (a GPU's caching allocator)."""
+    fresh_read_gbps: float | None = None
+    """Rate, GB/s, at which a read back first writes memory the allocator maps for it anew, on
+    top of the read (Note [Reads back into fresh pages]): the "cpu" spec, for storages of at
+    least `FRESH_PAGES_BYTES`; None where that costs nothing more."""
     copies_take_compute: bool = False
     """Copies run on a host thread that takes a core the step's compute needs, so compute loses
     each copy's time (Note [Copies on a CPU take its cores]): the "cpu" spec while PyTorch's

@@ -190,6 +190,29 @@ def test_ops_that_make_storages_the_allocator_maps_anew_pay_their_first_writes()
     assert device_spec("h100").fresh_memory_gbps is None
 
 
+def test_reads_back_into_fresh_pages_pay_their_faults():
+    """Note [Reads back into fresh pages]: a storage of at least 32 MiB read back from its spill
+    file costs the read and its first writes; a smaller one the read alone."""
+    from lms.analysis.devices import FRESH_PAGES_BYTES
+
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 1040), torch.nn.Tanh(), torch.nn.Linear(1040, 8), torch.nn.Tanh()
+    )
+    trace = trace_step(model, [torch.randn(8192, 64)], device="cpu")  # 8192 x 1040: 32.5 MiB
+    entries = trace.entries()
+    n = len(entries)
+    # synchronous copies, no core lost to them: each read back adds its own time to the step
+    plan = Plan(fingerprint="x", offload=tuple(range(n)), num_entries=n, sync_mode=3)
+    cpu = dataclasses.replace(device_spec("cpu"), copies_take_compute=False)
+    faulting = dataclasses.replace(cpu, fresh_read_gbps=0.5)
+    extra = sum(size / 0.5e9 for _, size, _ in entries if size >= FRESH_PAGES_BYTES)
+    assert extra > 0 and any(size < FRESH_PAGES_BYTES for _, size, _ in entries)
+    assert simulate(trace, plan, faulting).step_s == pytest.approx(
+        simulate(trace, plan, cpu).step_s + extra
+    )
+    assert device_spec("cpu").fresh_read_gbps is None and device_spec("h100").fresh_read_gbps is None
+
+
 def test_lines_say_what_tflms_said(report):
     text = "\n".join(report.lines())
     assert "[LMS] The model has" in text and "learning parameters" in text

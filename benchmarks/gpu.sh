@@ -7,7 +7,8 @@
 #   benchmarks/gpu.sh                 # everything
 #   benchmarks/gpu.sh link resnet50   # some parts: link pinning resnet50 resnet50_amp unet3d
 #                                     # deeplabv3 analyze resnet50_4x resnet50_10x resnet50_9x
-#                                     # (the last three not in "everything": 3, 8 and 8 minutes)
+#                                     # peak_blocks (the last four not in "everything": 3, 8, 8
+#                                     # minutes and 30 s)
 #   benchmarks/gpu.sh headline        # the seed's ResNet50 figures first, for a short lease
 #                                     # (about 6 minutes): 12650 px with free_held (10x), then
 #                                     # the 4x sweep, save_on_cpu beside LMS
@@ -73,6 +74,8 @@ print(info); json.dump(info, open('$out/link.json', 'w'), indent=2)
     # (from cuDNN 9.3 on); SIZES=11500 keeps every tensor under 2^31.
     resnet50_10x) train_32gb resnet50_10x "${SIZES:-12650}" --free-held ;;
     resnet50_9x) train_32gb resnet50_9x "${SIZES:-12000}" ;;
+    # The blocks live at the peak of tests/gpu's 5% check, beside its simulated tensor peak
+    peak_blocks) $PY benchmarks/peak_blocks.py --json "$out/peak_blocks.json" ;;
     headline)
       train_32gb resnet50_10x "${SIZES:-12650}" --free-held
       sweep resnet50_4x resnet50 4000,8000 300 --methods none,lms,save_on_cpu ;;

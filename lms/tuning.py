@@ -261,10 +261,10 @@ def measure_fresh_memory_gbps(pairs: int = 9) -> float | None:
 # link is the spill store's own write and read rates, into the page cache and back into memory
 # written before (5 and 12 GB/s here, where the entry has 1.5 and 3; the entry's where the
 # temporary folder refuses them), with the faults of reads into fresh memory on top (2.7 GB/s:
-# Note [Reads back into fresh pages]), and copies take compute's cores while its threads fill them (Note
-# [Copies on a CPU take its cores]); the rate of first writes to fresh pages is measured too
-# (Note [Fresh pages on a CPU]). Each rate is the median of three rounds: rounds on a
-# shared machine vary by a third, and so do its steps. A plan tuned for this CPU then prices
+# Note [Reads back into fresh pages]), and copies take compute's cores while its threads fill
+# them (Note [Copies on a CPU take its cores]); the rate of first writes to fresh pages is
+# measured too (Note [Fresh pages on a CPU]). Each rate is the median of three rounds: rounds
+# on a shared machine vary by a third, and so do its steps. A plan tuned for this CPU then prices
 # its step's ops at their own times where it can (Note [Ops timed on the device]).
 def _fresh_rate(gbps: float | None) -> str:
     return "at no extra cost" if gbps is None else f"{gbps:.1f} GB/s"

@@ -72,6 +72,10 @@ class DeviceSpec:
     """Memory libraries take on top of tensors (cuDNN/cuBLAS workspaces), kept free."""
     alloc_round_bytes: int = 512
     """The caching allocator's rounding of each block."""
+    page_mapped_bytes: int | None = None
+    """Storages of at least this many bytes get pages of their own from the C allocator, one
+    page (4096 bytes) more than their bytes, its header's (Note [A mapped storage's own page]):
+    `FRESH_PAGES_BYTES` on the "cpu" spec; None where blocks are only rounded."""
     op_overhead_s: float = 5e-6
     """Launch cost of one op."""
     write_log_op_s: float = 0.0
@@ -182,6 +186,7 @@ DEVICES: dict[str, DeviceSpec] = {
             op_overhead_s=20e-6,
             write_log_op_s=30e-6,
             cpu_scratch=True,
+            page_mapped_bytes=FRESH_PAGES_BYTES,
             fresh_memory_gbps=4.0,
             copies_take_compute=True,
         ),

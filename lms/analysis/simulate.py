@@ -542,6 +542,17 @@ def _last_read(trace: Trace, junction: JunctionRecord, k: int) -> int:
     return last
 
 
+_PAGE = 4096
+
+
+# Note: [A mapped storage's own page]
+# glibc maps an allocation of 32 MiB or more on pages of its own (Note [Fresh pages on a CPU]),
+# and its header takes a page more: allocating a 32 MiB tensor here raised the heap in use
+# (`lms.bench.memory.heap_in_use_bytes`) by 32 MiB and 4096 bytes, 100 MiB by 100 MiB and 4096.
+# The "cpu" spec counts each storage of that size at its pages, where blocks are otherwise
+# rounded to 512 bytes. It is small, and not all: ResNet50's plan at 1536 px under 1 GiB, so
+# counted, was predicted 235 KB under the budget and measured 275 KB over that prediction (40 KB
+# over the budget), for a cause not found yet.
 def _sweep(
     intervals: tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray] | None,
     host_spans: Sequence[tuple[float, float, int]],
@@ -560,6 +571,8 @@ def _sweep(
         return [], [], [], 0
     block = spec.alloc_round_bytes
     rounded = -(-raw // block) * block
+    if spec.page_mapped_bytes is not None:  # Note [A mapped storage's own page]
+        rounded = numpy.where(raw >= spec.page_mapped_bytes, (raw // _PAGE + 1) * _PAGE, rounded)
     kept = numpy.fromiter((span[2] for span in host_spans), numpy.int64, len(host_spans))
     none, no_spans = numpy.zeros_like(raw), numpy.zeros_like(kept)
     times = numpy.concatenate(

@@ -79,6 +79,14 @@ def test_offloading_everything_lowers_the_peak(report):
     assert plain.device_bytes[-1] >= 0
 
 
+def _held(nbytes, spec):
+    """What a storage of ``nbytes`` holds: the allocator's rounding, or on the CPU a storage of
+    32 MiB or more its own pages and one more (Note [A mapped storage's own page])."""
+    if spec.page_mapped_bytes is not None and nbytes >= spec.page_mapped_bytes:
+        return (nbytes // 4096 + 1) * 4096
+    return -(-nbytes // spec.alloc_round_bytes) * spec.alloc_round_bytes
+
+
 @pytest.mark.parametrize("spec_name", ["v100-32gb", "cpu"])
 def test_the_intervals_add_up_to_the_device_bytes_the_sweep_counted(report, spec_name):
     # The intervals are made only when a report asks; the sweep counts from columns.
@@ -87,14 +95,13 @@ def test_the_intervals_add_up_to_the_device_bytes_the_sweep_counted(report, spec
     every_other = Plan(fingerprint="x", offload=tuple(range(0, n, 2)), num_entries=n)
     for plan in (None, every_other, report.plan):
         result = simulate(trace, plan, spec)
-        block = spec.alloc_round_bytes
         moved = {i.storage for i in result.intervals if i.kind == "reloaded"}
         assert plan is None or moved  # offloaded storages come back
         if spec_name == "cpu":
             assert any(i.kind == "scratch" for i in result.intervals)
         for time_s, device in zip(result.timeline_s, result.device_bytes, strict=True):
             live = [i for i in result.intervals if i.start_s <= time_s < i.end_s]
-            assert sum(-(-i.nbytes // block) * block for i in live) == device
+            assert sum(_held(i.nbytes, spec) for i in live) == device
     # Without a plan, a storage allocated by op a and freed after op f is there while a..f run.
     plain = simulate(trace, None, spec)
     scratch = {op.index: op.cpu_scratch_bytes for op in trace.ops} if spec.cpu_scratch else {}
@@ -108,8 +115,31 @@ def test_the_intervals_add_up_to_the_device_bytes_the_sweep_counted(report, spec
             and (record.free_op is None or record.free_op >= op.index)
         ]
         alive.append(scratch.get(op.index, 0))
-        expected = sum(-(-n // block) * block for n in alive)
+        expected = sum(_held(n, spec) for n in alive)
         assert plain.device_bytes[at] == expected, op.index
+
+
+def test_storages_glibc_maps_hold_their_pages_and_a_header_page():
+    """Note [A mapped storage's own page]: on the CPU spec a storage of 32 MiB or more counts
+    its pages and one more; smaller ones and a GPU's blocks the allocator's rounding."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 1040), torch.nn.Tanh(), torch.nn.Linear(1040, 8)
+    )
+    trace = trace_step(model, [torch.randn(8192, 64)], device="cpu")  # 8192 x 1040: 32.5 MiB
+    cpu = device_spec("cpu")
+    rounded = dataclasses.replace(cpu, page_mapped_bytes=None)
+    mapped, plain = simulate(trace, None, cpu), simulate(trace, None, rounded)
+    assert mapped.timeline_s == plain.timeline_s
+    for time_s, got, was in zip(
+        mapped.timeline_s, mapped.device_bytes, plain.device_bytes, strict=True
+    ):
+        live = [i for i in mapped.intervals if i.start_s <= time_s < i.end_s]
+        assert got == sum(_held(i.nbytes, cpu) for i in live)
+        big = [i.nbytes for i in live if i.nbytes >= 32 * 1024**2]
+        assert got - was == sum(_held(n, cpu) - _held(n, rounded) for n in big)
+    assert (
+        mapped.peak_bytes > plain.peak_bytes and mapped.peak_tensor_bytes == plain.peak_tensor_bytes
+    )
 
 
 def test_slower_link_costs_more_time(report):
@@ -210,7 +240,9 @@ def test_reads_back_into_fresh_pages_pay_their_faults():
     assert simulate(trace, plan, faulting).step_s == pytest.approx(
         simulate(trace, plan, cpu).step_s + extra
     )
-    assert device_spec("cpu").fresh_read_gbps is None and device_spec("h100").fresh_read_gbps is None
+    assert (
+        device_spec("cpu").fresh_read_gbps is None and device_spec("h100").fresh_read_gbps is None
+    )
 
 
 def test_lines_say_what_tflms_said(report):

@@ -79,6 +79,15 @@ def test_offloading_everything_lowers_the_peak(report):
     assert plain.device_bytes[-1] >= 0
 
 
+def _wide_trace(activation, *after):
+    """A CPU step whose activation of 8192 x 1040 floats takes 32.5 MiB: ``Linear(64, 1040)``,
+    ``activation``, ``Linear(1040, 8)``, then ``after``."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 1040), activation, torch.nn.Linear(1040, 8), *after
+    )
+    return trace_step(model, [torch.randn(8192, 64)], device="cpu")
+
+
 def _held(nbytes, spec):
     """What a storage of ``nbytes`` holds: the allocator's rounding, or on the CPU a storage of
     32 MiB or more its own pages and one more (Note [A mapped storage's own page])."""
@@ -122,10 +131,7 @@ def test_the_intervals_add_up_to_the_device_bytes_the_sweep_counted(report, spec
 def test_storages_glibc_maps_hold_their_pages_and_a_header_page():
     """Note [A mapped storage's own page]: on the CPU spec a storage of 32 MiB or more counts
     its pages and one more; smaller ones and a GPU's blocks the allocator's rounding."""
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 1040), torch.nn.Tanh(), torch.nn.Linear(1040, 8)
-    )
-    trace = trace_step(model, [torch.randn(8192, 64)], device="cpu")  # 8192 x 1040: 32.5 MiB
+    trace = _wide_trace(torch.nn.Tanh())
     cpu = device_spec("cpu")
     rounded = dataclasses.replace(cpu, page_mapped_bytes=None)
     mapped, plain = simulate(trace, None, cpu), simulate(trace, None, rounded)
@@ -200,10 +206,7 @@ def test_ops_that_make_storages_the_allocator_maps_anew_pay_their_first_writes()
     from lms.analysis.devices import FRESH_PAGES_BYTES
     from lms.analysis.simulate import op_seconds
 
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 1040), torch.nn.ReLU(), torch.nn.Linear(1040, 8)
-    )
-    trace = trace_step(model, [torch.randn(8192, 64)], device="cpu")  # 8192 x 1040: 32.5 MiB
+    trace = _wide_trace(torch.nn.ReLU())
     cpu = device_spec("cpu")
     free = dataclasses.replace(cpu, fresh_memory_gbps=None)
     charged, uncharged = op_seconds(trace, cpu, False), op_seconds(trace, free, False)
@@ -225,10 +228,7 @@ def test_reads_back_into_fresh_pages_pay_their_faults():
     file costs the read and its first writes; a smaller one the read alone."""
     from lms.analysis.devices import FRESH_PAGES_BYTES
 
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 1040), torch.nn.Tanh(), torch.nn.Linear(1040, 8), torch.nn.Tanh()
-    )
-    trace = trace_step(model, [torch.randn(8192, 64)], device="cpu")  # 8192 x 1040: 32.5 MiB
+    trace = _wide_trace(torch.nn.Tanh(), torch.nn.Tanh())
     entries = trace.entries()
     n = len(entries)
     # synchronous copies, no core lost to them: each read back adds its own time to the step

@@ -208,7 +208,7 @@ def _main() -> None:
     torch.set_num_threads(threads)
     apply_backend_settings(settings)
     device = torch.device(device_name)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current one
         torch.cuda.set_device(device)
     if device.type == "cpu":
         # Note [Fresh pages on a CPU]: glibc maps an allocation anew until it has freed a mapped

@@ -514,6 +514,9 @@ class LMS:
         entry = packed.entry
         with self._lock:
             self._release_dropped()
+            # Copies out that forward left running and have finished let their device storages
+            # go now, as the simulator frees them, not when backward reads or prefetches them.
+            self._offloader.poll()
             step = self._step
             if step is not None and step.owns(entry):
                 if counted:

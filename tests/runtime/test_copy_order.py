@@ -79,3 +79,41 @@ def test_each_device_has_its_own_streams(monkeypatch):
     engines = [offloader._engine_for(d) for d in (first, second, first, second)]
     assert [engine.device for engine in engines] == [first, second, first, second]
     assert made == [first, second]
+
+
+def test_backward_lets_go_of_device_storages_whose_copies_out_finished(monkeypatch, spill_dir):
+    """Forward's last copies out may still run when backward starts; once one has finished, the
+    next read in backward drops that device storage (as the simulator frees it, at the copy's
+    end), rather than keeping it until backward reads it."""
+    import threading
+
+    import lms
+    from lms.runtime.disk import SpillStore
+
+    gate = threading.Event()
+    write = SpillStore._write
+
+    def held_back(self, path, data):  # the copies out finish only once backward has begun
+        gate.wait(10)
+        write(self, path, data)
+
+    monkeypatch.setattr(SpillStore, "_write", held_back)
+    torch.manual_seed(0)
+    layers = [m for _ in range(6) for m in (torch.nn.Linear(256, 256), torch.nn.Tanh())]
+    model = torch.nn.Sequential(*layers)
+    x = torch.randn(64, 256)
+    seen = []
+    offload = lms.LMS(tier="disk", swapout_threshold=1, min_offload_bytes=0, spill_dir=spill_dir)
+    with offload:
+        late = model[:10](x)
+        loss = model[10:](late).square().mean()
+        pending = list(offload._offloader._pending)
+        assert len(pending) > 4 and all(e.storage is not None for e in pending)
+        gate.set()
+        for entry in pending:
+            entry.pending_out.result()
+        # runs once the last layer has read what it saved, before the early layers' turn
+        late.register_hook(lambda grad: seen.append([e.storage is None for e in pending]))
+        loss.backward()
+    assert seen and all(seen[0]), seen
+    offload.close()

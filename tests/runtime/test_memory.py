@@ -64,8 +64,15 @@ CHAINS = COMMON + textwrap.dedent(
     from lms.planning.common import Checker
     model, x = conv_stack(640, lambda: [torch.nn.BatchNorm2d(32), torch.nn.ReLU(inplace=True)])
     trace = trace_step(model, [x], step, device="cpu")
-    # a device whose convolutions are fast next to its copies: replaying beats moving
-    spec = dataclasses.replace(local_device_spec(torch.device("cpu")), peak_flops=2e12)
+    # a device whose convolutions are fast next to its copies: replaying beats moving, whatever
+    # this machine's spill files measure
+    spec = dataclasses.replace(
+        local_device_spec(torch.device("cpu")),
+        peak_flops=2e12,
+        d2h_gbps=1.0,
+        h2d_gbps=1.0,
+        fresh_read_gbps=None,
+    )
     plain = simulate(trace, None, spec)
     try:
         Checker(trace, spec, 1).require_feasible()

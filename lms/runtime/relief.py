@@ -49,11 +49,6 @@ class Relief:
         self._summing: set[Any] = set()  # junctions whose partials go to autograd this backward
         self._meeting: dict[Any, int] = {}  # junction: partials that meet there
 
-    @property
-    def holding(self) -> bool:
-        """Whether some partial gradient is off the device, waiting for its junction."""
-        return bool(self._held)
-
     def note(self, step: Step, plan: Plan | None, entry: Entry, tensor: torch.Tensor) -> None:
         """Remember the autograd edge of ``entry`` when ``plan`` relieves its junction."""
         if plan is None or not plan.stash or step.diverged:

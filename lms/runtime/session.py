@@ -494,13 +494,13 @@ class LMS:
         step = self._step
         if step is not None and step.junction_edges and not step.walked:
             self._relief.hook(step, self.plan)
-        if self._relief.holding:  # a partial gradient's device memory goes once copied out
-            with self._lock:
-                self._offloader.poll()
-        if not isinstance(packed, Handle):  # kept, or a subclass around its inner tensors
-            with self._lock:
-                if self._step is not None:
-                    self._step.level += 1
+        with self._lock:
+            # Copies out that have finished let their device memory go now, as the simulator
+            # frees it: forward's last storages, whose copies backward may still find running,
+            # not only when backward reads or prefetches them; relieved partial gradients too.
+            self._offloader.poll()
+            if not isinstance(packed, Handle) and self._step is not None:
+                self._step.level += 1  # kept, or a subclass around its inner tensors
         return self._bring_back(packed, counted=isinstance(packed, Handle))
 
     def _bring_back(self, packed: Handle | Kept | Wrapped, *, counted: bool) -> torch.Tensor:
@@ -514,9 +514,6 @@ class LMS:
         entry = packed.entry
         with self._lock:
             self._release_dropped()
-            # Copies out that forward left running and have finished let their device storages
-            # go now, as the simulator frees them, not when backward reads or prefetches them.
-            self._offloader.poll()
             step = self._step
             if step is not None and step.owns(entry):
                 if counted:

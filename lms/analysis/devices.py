@@ -76,6 +76,10 @@ class DeviceSpec:
     """Storages of at least this many bytes get pages of their own from the C allocator, one
     page (4096 bytes) more than their bytes, its header's (Note [A mapped storage's own page]):
     `FRESH_PAGES_BYTES` on the "cpu" spec; None where blocks are only rounded."""
+    graph_bytes_per_op: int = 0
+    """Memory each forward op's share of the autograd graph takes beside the tensors, until
+    backward ends (Note [The autograd graph on a CPU's heap]): the "cpu" spec, whose budget counts
+    the C heap; 0 on a GPU, whose graph is in host memory."""
     op_overhead_s: float = 5e-6
     """Launch cost of one op."""
     write_log_op_s: float = 0.0
@@ -187,6 +191,7 @@ DEVICES: dict[str, DeviceSpec] = {
             write_log_op_s=30e-6,
             cpu_scratch=True,
             page_mapped_bytes=FRESH_PAGES_BYTES,
+            graph_bytes_per_op=1536,
             fresh_memory_gbps=4.0,
             copies_take_compute=True,
         ),

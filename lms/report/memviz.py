@@ -27,7 +27,11 @@ _CATEGORIES = {
     "gradient": "gradient",
     "state": "optimizer_state",
     "scratch": "temporary",
+    "graph": "autograd_detail",
 }
+
+
+_UNSTORED = {"scratch": "an op's scratch", "graph": "the autograd graph"}
 
 
 def snapshot_dict(trace: Trace, result: SimResult) -> dict[str, Any]:
@@ -36,7 +40,7 @@ def snapshot_dict(trace: Trace, result: SimResult) -> dict[str, Any]:
     address = 0x7F0000000000
     for order, span in enumerate(result.intervals):
         size = -(-span.nbytes // 512) * 512
-        name = f"storage {span.storage}" if span.storage >= 0 else "an op's scratch"
+        name = f"storage {span.storage}" if span.storage >= 0 else _UNSTORED[span.kind]
         frames = [{"filename": trace.name, "line": 0, "name": name}]
         common = {
             "addr": address,

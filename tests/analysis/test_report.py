@@ -115,6 +115,7 @@ def test_the_intervals_add_up_to_the_device_bytes_the_sweep_counted(report, spec
     plain = simulate(trace, None, spec)
     scratch = {op.index: op.cpu_scratch_bytes for op in trace.ops} if spec.cpu_scratch else {}
     starts = plain.residency.clock.start
+    last_backward = max(op.index for op in trace.ops if op.phase == "backward")
     for op in trace.ops:
         at = bisect.bisect_right(plain.timeline_s, starts[op.index]) - 1
         alive = [
@@ -125,6 +126,9 @@ def test_the_intervals_add_up_to_the_device_bytes_the_sweep_counted(report, spec
         ]
         alive.append(scratch.get(op.index, 0))
         expected = sum(_held(n, spec) for n in alive)
+        if op.index <= last_backward:  # Note [The autograd graph on a CPU's heap]
+            recorded = sum(o.phase == "forward" for o in trace.ops[: op.index + 1])
+            expected += spec.graph_bytes_per_op * recorded
         assert plain.device_bytes[at] == expected, op.index
 
 
@@ -146,6 +150,31 @@ def test_storages_glibc_maps_hold_their_pages_and_a_header_page():
     assert (
         mapped.peak_bytes > plain.peak_bytes and mapped.peak_tensor_bytes == plain.peak_tensor_bytes
     )
+
+
+def test_the_cpu_spec_counts_the_autograd_graph_beside_the_tensors():
+    """Note [The autograd graph on a CPU's heap]: each forward op's share, from the op to the end
+    of backward, in the device bytes and not in the tensors' peak; the snapshot names it."""
+    from lms.report.memviz import snapshot_dict
+
+    trace = _wide_trace(torch.nn.Tanh())
+    cpu = device_spec("cpu")
+    counted, blind = (
+        simulate(trace, None, cpu),
+        simulate(trace, None, dataclasses.replace(cpu, graph_bytes_per_op=0)),
+    )
+    forward = [op.index for op in trace.ops if op.phase == "forward"]
+    graph = [i for i in counted.intervals if i.kind == "graph"]
+    assert len(graph) == len(forward) and {i.nbytes for i in graph} == {cpu.graph_bytes_per_op}
+    assert counted.peak_tensor_bytes == blind.peak_tensor_bytes
+    # the peak is after forward: every op's share is there
+    assert counted.peak_bytes - blind.peak_bytes == cpu.graph_bytes_per_op * len(forward)
+    last = max(op.index for op in trace.ops if op.phase == "backward")
+    assert {i.end_s for i in graph} == {counted.residency.clock.done_at[last]}
+    events = snapshot_dict(trace, counted)["device_traces"][0]
+    named = [e for e in events if e["category"] == "autograd_detail" and e["action"] == "alloc"]
+    assert len(named) == len(forward)
+    assert {e["frames"][0]["name"] for e in named} == {"the autograd graph"}
 
 
 def test_slower_link_costs_more_time(report):

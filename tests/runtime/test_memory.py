@@ -177,6 +177,38 @@ PLANLESS = COMMON + textwrap.dedent(
     """
 )
 
+GRAPH = COMMON + textwrap.dedent(
+    """
+    import gc
+    from lms.bench.memory import heap_in_use_bytes
+    # 100 small layers: 303 forward ops, 4 KiB tensors, so that the autograd graph's share of
+    # the heap is as large as the tensors' (Note [The autograd graph on a CPU's heap]).
+    layers = []
+    for _ in range(100):
+        layers += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    model, x = torch.nn.Sequential(*layers), torch.randn(16, 64)
+    trace = trace_step(model, [x], step, device="cpu")
+    spec = local_device_spec(torch.device("cpu"))
+    before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
+
+    def at_backward(spec):
+        result = simulate(trace, None, spec)
+        return result.peak_after(result.backward_start_s)[0] - before
+
+    measured = []
+    for _ in range(4):
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        start = heap_in_use_bytes()
+        loss = model(x).square().mean()
+        measured.append(heap_in_use_bytes() - start)
+        loss.backward()
+        del loss
+    print(json.dumps({"measured": measured, "simulated": at_backward(spec),
+                      "tensors": at_backward(dataclasses.replace(spec, graph_bytes_per_op=0))}))
+    """
+)
+
 
 def _run(script, *args):
     out = subprocess.run(
@@ -237,3 +269,11 @@ def test_the_policy_without_a_plan_counts_weights_and_batch_as_simulated(tmp_pat
     assert result["planned"] > 0
     assert result["moved"][1:] == [result["planned"]] * 2, result
     assert max(result["measured"][1:]) <= result["simulated"], result
+
+
+def test_the_heap_holds_the_autograd_graph_beside_the_tensors_as_simulated():
+    """Note [The autograd graph on a CPU's heap]: after forward the heap holds the graph beside
+    the saved tensors, more than the tensors alone simulate and no more than the spec counts."""
+    result = _run(GRAPH)
+    steady = result["measured"][1:]  # the first step also makes what later steps reuse
+    assert result["tensors"] < min(steady) <= max(steady) <= result["simulated"], result

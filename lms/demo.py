@@ -7,6 +7,7 @@ machine it caps device memory and they go to pinned host memory.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -16,7 +17,7 @@ from tqdm import tqdm
 
 from lms._units import check_counts, format_bytes
 from lms.analysis import report_for, simulate, trace_step
-from lms.bench.memory import PeakMemory, tensors_bytes
+from lms.bench.memory import PeakMemory, sampled_steps, steady_times, tensors_bytes
 from lms.runtime import LMS
 from lms.tuning import local_device_spec, with_local_timings
 from lms.zoo import zoo_model
@@ -89,13 +90,16 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     # the card holds at its start, which also has the optimizer's momentum).
     held = tensors_bytes([*model.parameters(), *model.buffers(), images, labels])
     times, peaks, resident = [], [], []
-    for _ in tqdm(range(steps), desc="training with LMS", unit="step"):
+    sampled = sampled_steps(steps, cuda)  # Note [Steps timed without the sampler]
+    heap_counted = True
+    for index in tqdm(range(steps), desc="training with LMS", unit="step"):
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if cuda else 0
-        with PeakMemory() as memory:
+        sampler = PeakMemory() if index in sampled else None
+        with sampler or contextlib.nullcontext():
             start = time.perf_counter()
             with offload:
                 loss = entry.step_fn(model, [images, labels])
@@ -103,26 +107,35 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
             if cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        grown = torch.cuda.max_memory_allocated() - base if cuda else memory.growth_bytes
-        peaks.append(held + grown)
-        resident.append(memory.rss_growth_bytes)
+        if cuda:
+            peaks.append(held + torch.cuda.max_memory_allocated() - base)
+        elif sampler is not None:
+            peaks.append(held + sampler.growth_bytes)
+            resident.append(sampler.rss_growth_bytes)
+            heap_counted = sampler.heap_growth_bytes is not None
     offload.close()
 
-    steady = times[1:] or times
+    steady = steady_times(times, sampled)
     step_s = sum(steady) / len(steady)
+    unsampled = len(steady) < len(times) - 1
+    timed = (
+        f"over {len(steady)} timed after the one whose memory was sampled"
+        if unsampled
+        else "after the first"
+    )
     pixels = batch * entry.elements(size)
     measured = max(peaks[1:] or peaks)
     simulated = report.planned or report.plain
-    predicted = simulated.peak_tensor_bytes
+    # what the allocator counts: rounded blocks, and on a CPU the autograd graph's heap (Note
+    # [The autograd graph on a CPU's heap]); not the margin kept for libraries' workspaces
+    predicted = simulated.peak_bytes - spec.workspace_bytes
     stats = offload.stats
-    heap_counted = memory.heap_growth_bytes is not None
     what = "device memory" if cuda else "heap in use" if heap_counted else "resident set"
     lines = [
         f"[LMS] Trained {steps} steps of {MODEL} {size}x{size} batch {batch} on {device.type}; "
         f"last loss {loss.item():.4f}",
         f"[LMS] Throughput: {batch / step_s:.2f} images/s, {pixels / step_s / 1e6:.2f} "
-        f"megapixels/s ({step_s:.2f} s per step after the first; predicted "
-        f"{simulated.step_s:.2f} s)",
+        f"megapixels/s ({step_s:.2f} s per step {timed}; predicted {simulated.step_s:.2f} s)",
         f"[LMS] Measured peak: {format_bytes(measured)} ({format_bytes(held)} of weights and "
         f"batch, then the {what} grew by {format_bytes(measured - held)}) against a budget of "
         f"{format_bytes(budget)}; simulated "

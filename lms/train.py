@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from lms._units import check_counts, format_bytes, format_rate
-from lms.bench.memory import PeakMemory, tensors_bytes
+from lms.bench.memory import PeakMemory, sampled_steps, steady_times, tensors_bytes
 from lms.errors import LMSError, step_failed
 from lms.runtime import LMS
 from lms.runtime.keep import no_offload_in, submodules
@@ -45,12 +45,15 @@ class TrainResult:
     batch_size: int
     steps: int
     step_s: float
+    """Mean time of the steps after the first; on a CPU with three steps or more, of those
+    after the second, whose memory is sampled (Note [Steps timed without the sampler])."""
     samples_per_s: float
     elements_per_s: float
     unit: str
     peak_bytes: int
     """Peak device allocation (GPU); on a CPU, ``start_bytes`` plus the peak growth of the C heap
-    in use over a step (the resident set's where the heap is not counted: `lms.bench.memory`)."""
+    in use over a sampled step (the resident set's where the heap is not counted:
+    `lms.bench.memory`)."""
     device: str
     loss: float
     lms_stats: dict[str, float] | None
@@ -187,13 +190,16 @@ def train(
     loss = torch.zeros(())
     label = f"{model_name} {size} {method}"
     recording = _allocator_history(memory_snapshot) if memory_snapshot else _nothing()
+    sampled = sampled_steps(steps, cuda)  # Note [Steps timed without the sampler]
+    memory: PeakMemory | None = None
     with recording:
-        for _ in tqdm(range(steps), desc=label, unit="step", disable=not progress):
+        for index in tqdm(range(steps), desc=label, unit="step", disable=not progress):
             optimizer.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize(target)
                 torch.cuda.reset_peak_memory_stats(target)
-            with PeakMemory() as memory:
+            sampler = PeakMemory() if index in sampled else None
+            with sampler or _nothing():
                 start = time.perf_counter()
                 mixed = torch.autocast(target.type, dtype=autocast) if autocast else _nothing()
                 try:
@@ -210,13 +216,13 @@ def train(
                 if cuda:
                     torch.cuda.synchronize(target)
                 times.append(time.perf_counter() - start)
-            peaks.append(
-                torch.cuda.max_memory_allocated(target)
-                if cuda
-                else (start_bytes or 0) + memory.growth_bytes
-            )
-            resident.append(memory.rss_growth_bytes)
-    steady = times[1:] or times
+            if cuda:
+                peaks.append(torch.cuda.max_memory_allocated(target))
+            elif sampler is not None:
+                memory = sampler
+                peaks.append((start_bytes or 0) + memory.growth_bytes)
+                resident.append(memory.rss_growth_bytes)
+    steady = steady_times(times, sampled)
     step_s = sum(steady) / len(steady)
     result = TrainResult(
         model=model_name,
@@ -241,7 +247,7 @@ def train(
     if kept is not None:
         kept.remove()
     measure = ""
-    if start_bytes is not None:
+    if start_bytes is not None and memory is not None:
         grew = f"grew by {format_bytes(result.peak_bytes - start_bytes)}"
         if memory.heap_growth_bytes is None:  # the resident set is all there is
             grew = f"the resident set {grew}"

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from lms.bench.memory import PeakMemory, heap_in_use_bytes
+from lms.bench.memory import PeakMemory, heap_in_use_bytes, sampled_steps, steady_times
 
 GLIBC = platform.libc_ver()[0] == "glibc" and tuple(
     int(part) for part in platform.libc_ver()[1].split(".")[:2]
@@ -65,3 +65,39 @@ def test_without_the_heap_count_growth_is_the_resident_sets(monkeypatch):
     block.close()
     assert peak.heap_growth_bytes is None
     assert peak.growth_bytes == peak.rss_growth_bytes >= 60 * 2**20
+
+
+@pytest.mark.parametrize(
+    ("steps", "cuda", "sampled", "timed"),
+    [
+        (1, False, {0}, [1.0]),
+        (2, False, {0, 1}, [2.0]),
+        (3, False, {1}, [3.0]),
+        (5, False, {1}, [3.0, 4.0, 5.0]),
+        (3, True, set(), [2.0, 3.0]),
+    ],
+)
+def test_steps_are_timed_apart_from_the_ones_whose_memory_is_sampled(steps, cuda, sampled, timed):
+    """Note [Steps timed without the sampler]: from three steps on a CPU, the second's memory
+    is sampled and the steps after it timed; a CUDA run samples none."""
+    chosen = sampled_steps(steps, cuda)
+    assert chosen == sampled
+    assert steady_times([float(i + 1) for i in range(steps)], chosen) == timed
+
+
+def test_a_cpu_run_samples_one_step_of_three_and_times_the_last(monkeypatch):
+    import lms.train
+
+    started = []
+
+    class Counted(PeakMemory):
+        def __enter__(self):
+            started.append(self)
+            return super().__enter__()
+
+    monkeypatch.setattr(lms.train, "PeakMemory", Counted)
+    result = lms.train.train(
+        "resnet50", size=64, steps=3, method="none", progress=False, device="cpu"
+    )
+    assert len(started) == 1
+    assert result.peak_bytes == result.start_bytes + started[0].growth_bytes

@@ -77,26 +77,20 @@ def _stepper(size: int, memory_format: str, loss: str):
 
 def child(config: str, size: int, memory_format: str, loss: str, steps: int) -> dict:
     import lms
-    from lms.bench.memory import PeakMemory
+    from lms.bench.memory import measure_steps
 
     step = _stepper(size, memory_format, loss)
     settings = CONFIGS[config]
     offload = lms.LMS(**settings) if settings is not None else None
 
     step(offload)  # warm-up; with LMS, the recorded step
-    times, growths, rss = [], [], []
-    for _ in range(steps):
-        with PeakMemory() as peak:
-            start = time.perf_counter()
-            step(offload)
-            times.append(time.perf_counter() - start)
-        growths.append(peak.growth_bytes)
-        rss.append(peak.rss_growth_bytes)
+    # one step's memory sampled, the others timed (Note [Steps timed without the sampler])
+    times, peak = measure_steps(lambda: step(offload), steps)
     result = {
         "config": config,
         "step_s": statistics.median(times),
-        "growth_bytes": max(growths),
-        "rss_growth_bytes": max(rss),
+        "growth_bytes": peak.growth_bytes,
+        "rss_growth_bytes": peak.rss_growth_bytes,
         "steps_s": times,
     }
     if offload is not None:

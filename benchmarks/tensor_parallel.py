@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lms
 from lms._units import format_bytes, parse_bytes
-from lms.bench.memory import PeakMemory, tensors_bytes
+from lms.bench.memory import measure_steps, tensors_bytes
 
 WORLD = 2
 WIDTH = 512
@@ -124,16 +123,11 @@ def _rank(rank: int, config: str, args: argparse.Namespace, folder: str) -> None
             with open(os.path.join(folder, f"rank{rank}.json"), "w") as out:
                 json.dump(result, out)
             return
-        times, growths = [], []
-        for _ in range(args.steps):
-            with PeakMemory() as peak:
-                begin = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - begin)
-            growths.append(peak.growth_bytes)
+        # one step's memory sampled, the others timed (Note [Steps timed without the sampler])
+        times, peak = measure_steps(step, args.steps)
         result |= {
             "step_s": statistics.median(times),
-            "growth_bytes": max(growths),
+            "growth_bytes": peak.growth_bytes,
             "start_bytes": start_bytes,
             "saved_bytes": saved,
         }

@@ -28,6 +28,7 @@ __all__ = [
     "PeakMemory",
     "current_rss_bytes",
     "heap_in_use_bytes",
+    "measure_steps",
     "sampled_steps",
     "steady_times",
     "tensors_bytes",
@@ -97,6 +98,19 @@ def steady_times(times: list[float], sampled: frozenset[int]) -> list[float]:
     """The times that measure a run's speed: after the first step, those not sampled (Note
     [Steps timed without the sampler]), else all after the first, else the first."""
     return [t for i, t in enumerate(times) if i and i not in sampled] or times[1:] or times
+
+
+def measure_steps(step: Callable[[], object], steps: int) -> tuple[list[float], PeakMemory]:
+    """Run ``step`` once with its memory sampled, then ``steps`` times timed without the sampler
+    (Note [Steps timed without the sampler]): the times, and the sampled step's `PeakMemory`."""
+    with PeakMemory() as peak:
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times, peak
 
 
 def tensors_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -1,9 +1,10 @@
 """CPU benchmark of the runtime: a 10-layer 32-channel conv net at 1280x1280, batch 1.
 
 The net ends in a classifier head (global average pool, linear, cross-entropy), as a conv net does.
-Each configuration runs in its own subprocess (a warm-up step, then ``--steps`` measured ones: the
-median step time and the largest growth of the C heap in use and of the resident set) and is
-repeated; the medians over the repeats are compared side by side:
+Each configuration runs in its own subprocess (a warm-up step, one step whose growth of the C heap
+in use and of the resident set is sampled, then ``--steps`` timed ones, their median kept: Note
+[Steps timed without the sampler]) and is repeated; the medians over the repeats are compared side
+by side:
 - plain: no offload;
 - lms-1GiB-disk: ``LMS(budget="1GiB", tier="disk")``;
 - lms-roomy: ``LMS(budget="64GiB", tier="disk")`` (nothing needs to move);

@@ -2,9 +2,10 @@
 
 Two processes (gloo, one intra-op thread each) split a stack of transformer feed-forward blocks
 (LayerNorm, 512 -> 2048 `ColwiseParallel`, GELU, 2048 -> 512 `RowwiseParallel`, residual) over
-the same 2048 tokens. Each configuration runs in two fresh processes (a warm-up step, then
-``--steps`` measured: the median step time and each rank's largest growth of the C heap in use),
-and the configurations alternate over ``--repeats`` rounds:
+the same 2048 tokens. Each configuration runs in two fresh processes (a warm-up step, one step
+whose growth of the C heap in use each rank samples, then ``--steps`` timed, their median kept:
+Note [Steps timed without the sampler]), and the configurations alternate over ``--repeats``
+rounds:
 - plain: no offload;
 - lms: ``LMS(budget=--budget, tier="disk")`` on each rank;
 - save_on_cpu: ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, the peer; its pack hook

@@ -198,7 +198,7 @@ def main() -> None:
         "slowdown": median("lms", "step_s") / median("plain", "step_s") - 1,
         "plain_growth_bytes": max(r["growth_bytes"] for ranks in runs["plain"] for r in ranks),
         "lms_growth_bytes": max(r["growth_bytes"] for ranks in runs["lms"] for r in ranks),
-        "lms_offloaded_bytes_per_step": first["stats"]["offloaded_bytes"] / (args.steps + 1),
+        "lms_offloaded_bytes_per_step": first["stats"]["offloaded_bytes"] / first["stats"]["steps"],
         "save_on_cpu": peer,
         "runs": runs,
     }

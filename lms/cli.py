@@ -238,7 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a zoo model and measure it")
     _add_model_args(train)
-    train.add_argument("--steps", type=_count, default=5)
+    train.add_argument(
+        "--steps",
+        type=_count,
+        default=5,
+        help="on a CPU, from 3 on, the second step's memory is sampled and the later ones timed",
+    )
     train.add_argument("--lms", action=argparse.BooleanOptionalAction, default=True)
     train.add_argument("--budget", default=None, help="device memory for the step, e.g. 32GiB")
     train.add_argument("--tier", default="auto", choices=["auto", "host", "disk"])
@@ -267,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint",
     )
     bench.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
-    bench.add_argument("--steps", type=_count, default=3)
+    bench.add_argument(
+        "--steps", type=_count, default=3, help="a run's steps, sampled and timed as train's"
+    )
     bench.add_argument(
         "--repeats", type=_count, default=1, help="runs of each method a size, in rotated order"
     )

@@ -7,7 +7,6 @@ machine it caps device memory and they go to pinned host memory.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -17,7 +16,7 @@ from tqdm import tqdm
 
 from lms._units import check_counts, format_bytes
 from lms.analysis import report_for, simulate, trace_step
-from lms.bench.memory import PeakMemory, sampled_steps, steady_times, tensors_bytes
+from lms.bench.memory import SampledSteps, tensors_bytes
 from lms.runtime import LMS
 from lms.tuning import local_device_spec, with_local_timings
 from lms.zoo import zoo_model
@@ -89,17 +88,15 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     # simulator count: the measured peak is that plus the step's growth (on a GPU, over what
     # the card holds at its start, which also has the optimizer's momentum).
     held = tensors_bytes([*model.parameters(), *model.buffers(), images, labels])
-    times, peaks, resident = [], [], []
-    sampled = sampled_steps(steps, cuda)  # Note [Steps timed without the sampler]
-    heap_counted = True
+    times, peaks = [], []  # CUDA's peaks, a step each
+    run = SampledSteps(steps, cuda)  # Note [Steps timed without the sampler]
     for index in tqdm(range(steps), desc="training with LMS", unit="step"):
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() if cuda else 0
-        sampler = PeakMemory() if index in sampled else None
-        with sampler or contextlib.nullcontext():
+        with run.sampling(index):
             start = time.perf_counter()
             with offload:
                 loss = entry.step_fn(model, [images, labels])
@@ -109,13 +106,13 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
             times.append(time.perf_counter() - start)
         if cuda:
             peaks.append(held + torch.cuda.max_memory_allocated() - base)
-        elif sampler is not None:
-            peaks.append(held + sampler.growth_bytes)
-            resident.append(sampler.rss_growth_bytes)
-            heap_counted = sampler.heap_growth_bytes is not None
     offload.close()
+    memory = run.steady  # on a CPU, the sampled step after the first (else the first)
+    if memory is not None:
+        peaks.append(held + memory.growth_bytes)
+    heap_counted = memory is None or memory.heap_growth_bytes is not None
 
-    steady = steady_times(times, sampled)
+    steady = run.steady_times(times)
     step_s = sum(steady) / len(steady)
     unsampled = len(steady) < len(times) - 1
     timed = (
@@ -143,10 +140,10 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
         f"{format_bytes(plain_peak)}",
         *(
             []
-            if cuda or not heap_counted
+            if memory is None or not heap_counted
             else [
                 "[LMS] The resident set grew by up to "
-                f"{format_bytes(max(resident[1:] or resident))} a step (glibc keeps freed heap "
+                f"{format_bytes(memory.rss_growth_bytes)} a step (glibc keeps freed heap "
                 "memory resident for reuse)"
             ]
         ),

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from lms._units import check_counts, format_bytes, format_rate
-from lms.bench.memory import PeakMemory, sampled_steps, steady_times, tensors_bytes
+from lms.bench.memory import SampledSteps, tensors_bytes
 from lms.errors import LMSError, step_failed
 from lms.runtime import LMS
 from lms.runtime.keep import no_offload_in, submodules
@@ -185,21 +185,18 @@ def train(
         return _nothing()
 
     times: list[float] = []
-    peaks: list[int] = []
-    resident: list[int] = []
+    peaks: list[int] = []  # CUDA's, a step each
     loss = torch.zeros(())
     label = f"{model_name} {size} {method}"
     recording = _allocator_history(memory_snapshot) if memory_snapshot else _nothing()
-    sampled = sampled_steps(steps, cuda)  # Note [Steps timed without the sampler]
-    memory: PeakMemory | None = None
+    run = SampledSteps(steps, cuda)  # Note [Steps timed without the sampler]
     with recording:
         for index in tqdm(range(steps), desc=label, unit="step", disable=not progress):
             optimizer.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize(target)
                 torch.cuda.reset_peak_memory_stats(target)
-            sampler = PeakMemory() if index in sampled else None
-            with sampler or _nothing():
+            with run.sampling(index):
                 start = time.perf_counter()
                 mixed = torch.autocast(target.type, dtype=autocast) if autocast else _nothing()
                 try:
@@ -218,11 +215,10 @@ def train(
                 times.append(time.perf_counter() - start)
             if cuda:
                 peaks.append(torch.cuda.max_memory_allocated(target))
-            elif sampler is not None:
-                memory = sampler
-                peaks.append((start_bytes or 0) + memory.growth_bytes)
-                resident.append(memory.rss_growth_bytes)
-    steady = steady_times(times, sampled)
+    memory = run.steady  # on a CPU, the sampled step after the first (else the first)
+    if memory is not None:
+        peaks.append((start_bytes or 0) + memory.growth_bytes)
+    steady = run.steady_times(times)
     step_s = sum(steady) / len(steady)
     result = TrainResult(
         model=model_name,
@@ -239,7 +235,7 @@ def train(
         loss=float(loss.detach().float()),
         lms_stats=offload.stats.as_dict() if offload is not None else None,
         plan=_plan_summary(offload),
-        rss_growth_bytes=None if cuda else max(resident[1:] or resident),
+        rss_growth_bytes=None if memory is None else memory.rss_growth_bytes,
         start_bytes=start_bytes,
     )
     if offload is not None:

@@ -326,7 +326,7 @@ class _Residency:
         self.scratch_ops = numpy.fromiter(self.scratch, numpy.int64, len(self.scratch))
         self.graph_bytes = clock.spec.graph_bytes_per_op
         graph: tuple[numpy.ndarray, int] = (
-            _graph_ops(clock.trace) if self.graph_bytes else (self.scratch_ops[:0], -1)
+            _graph_ops(clock.trace) if self.graph_bytes else (numpy.zeros(0, numpy.int64), -1)
         )
         self.graph_ops, last = graph
         self.graph_end = float(self.ends[last]) if last >= 0 else clock.end_s

@@ -13,6 +13,7 @@ the simulator predicts; the resident set is closer to the memory the allocator r
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -26,6 +27,7 @@ from lms.runtime.keep import distinct_storages
 
 __all__ = [
     "PeakMemory",
+    "SampledSteps",
     "current_rss_bytes",
     "heap_in_use_bytes",
     "measure_steps",
@@ -182,3 +184,29 @@ class PeakMemory:
         """The heap's growth where it is counted, else the resident set's."""
         heap = self.heap_growth_bytes
         return self.rss_growth_bytes if heap is None else heap
+
+
+class SampledSteps:
+    """A run of ``steps`` steps: `PeakMemory` around those `sampled_steps` picks, and which
+    steps' times measure the run's speed (Note [Steps timed without the sampler])."""
+
+    def __init__(self, steps: int, cuda: bool):
+        self.indices = sampled_steps(steps, cuda)
+        self._samples: list[PeakMemory] = []
+
+    def sampling(self, index: int) -> contextlib.AbstractContextManager[object]:
+        """Around step ``index``: a `PeakMemory` where its memory is sampled, else nothing."""
+        if index not in self.indices:
+            return contextlib.nullcontext()
+        self._samples.append(PeakMemory())
+        return self._samples[-1]
+
+    @property
+    def steady(self) -> PeakMemory | None:
+        """The last step sampled: the one after the first where there is one, else the first
+        (a run of one step); None where none was (CUDA)."""
+        return self._samples[-1] if self._samples else None
+
+    def steady_times(self, times: list[float]) -> list[float]:
+        """`steady_times` of this run's steps."""
+        return steady_times(times, self.indices)

@@ -86,6 +86,7 @@ def test_steps_are_timed_apart_from_the_ones_whose_memory_is_sampled(steps, cuda
 
 
 def test_a_cpu_run_samples_one_step_of_three_and_times_the_last(monkeypatch):
+    import lms.bench.memory
     import lms.train
 
     started = []
@@ -95,7 +96,7 @@ def test_a_cpu_run_samples_one_step_of_three_and_times_the_last(monkeypatch):
             started.append(self)
             return super().__enter__()
 
-    monkeypatch.setattr(lms.train, "PeakMemory", Counted)
+    monkeypatch.setattr(lms.bench.memory, "PeakMemory", Counted)
     result = lms.train.train(
         "resnet50", size=64, steps=3, method="none", progress=False, device="cpu"
     )

@@ -78,7 +78,7 @@ def _stepper(size: int, memory_format: str, loss: str):
 
 def child(config: str, size: int, memory_format: str, loss: str, steps: int) -> dict:
     import lms
-    from lms.bench.memory import measure_steps
+    from lms.harness.memory import measure_steps
 
     step = _stepper(size, memory_format, loss)
     settings = CONFIGS[config]

@@ -49,7 +49,7 @@ for part in $parts; do
   case $part in
     link) $PY -c "
 import json, torch
-from lms.tuning import measure_link_gbps
+from lms.orchestration.rates import measure_link_gbps
 d2h, h2d = measure_link_gbps(torch.device('cuda'))
 info = {'gpu': torch.cuda.get_device_name(0), 'torch': torch.__version__,
         'd2h_gbps': d2h, 'h2d_gbps': h2d}

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 import lms
-from lms.plan import Plan
+from lms.core.plan import Plan
 
 
 def _step(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:

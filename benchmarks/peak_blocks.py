@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import lms
 from lms.analysis import simulate, trace_step
-from lms.tuning import local_device_spec
+from lms.orchestration.local import local_device_spec
 
 
 def _step(model: nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:

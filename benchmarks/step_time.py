@@ -3,8 +3,8 @@
 For each of the seed's models (a few sizes that fit without offload), one step is traced, priced
 two ways and run for real:
 - rates: each op at the larger of its FLOPs over the measured convolution rate and its bytes
-  over the measured add's (`lms.tuning.local_device_spec`);
-- timed: each distinct call run alone on real tensors of its shapes (`lms.timing.time_ops`,
+  over the measured add's (`lms.orchestration.local.local_device_spec`);
+- timed: each distinct call run alone on real tensors of its shapes (`time_ops`,
   Note [Ops timed on the device]).
 The measured step is the median of ``--steps`` steps after a warm-up. Rates and timings are
 measured in this process, once for the rates and once for each trace.
@@ -22,10 +22,10 @@ import time
 import torch
 
 from lms.analysis import simulate, trace_step
-from lms.analysis.devices import DeviceSpec
-from lms.timing import time_ops
-from lms.tuning import local_device_spec
-from lms.zoo import zoo_model
+from lms.core.devices import DeviceSpec
+from lms.harness.zoo import zoo_model
+from lms.orchestration.local import local_device_spec
+from lms.orchestration.timing import time_ops
 
 CASES = (  # model, size, batch, bf16 autocast, channels last
     ("resnet50", 512, 2, False, True),

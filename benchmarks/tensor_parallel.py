@@ -39,8 +39,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lms
-from lms._units import format_bytes, parse_bytes
-from lms.bench.memory import measure_steps, tensors_bytes
+from lms.core.units import format_bytes, parse_bytes
+from lms.harness.memory import measure_steps, tensors_bytes
 
 WORLD = 2
 WIDTH = 512

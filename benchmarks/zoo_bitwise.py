@@ -31,8 +31,8 @@ from tqdm import tqdm
 
 import lms
 from lms.analysis import device_spec, simulate, trace_step
-from lms.analysis.recompute import recipes
-from lms.plan import Plan
+from lms.core.plan import Plan
+from lms.core.recipes import recipes
 from lms.planning import plan_auto
 
 

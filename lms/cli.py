@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from lms._units import parse_bytes
-from lms.errors import LMSError
+from lms.core.errors import LMSError
+from lms.core.units import parse_bytes
 
 __all__ = ["main"]
 
@@ -90,9 +90,9 @@ def _write(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[str
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from lms.analysis import analyze
-    from lms.runtime.keep import no_offload_in, submodules
-    from lms.zoo import zoo_model
+    from lms.core.keep import no_offload_in, submodules
+    from lms.harness.zoo import zoo_model
+    from lms.orchestration.analyze import analyze
 
     entry = zoo_model(args.model)
     entry.check_batch(args.batch_size)
@@ -121,7 +121,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from lms.sweep import plot_sweep, sweep
+    from lms.harness.sweep import plot_sweep, sweep
 
     result = sweep(
         args.model,
@@ -139,8 +139,8 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from lms.errors import PlanInfeasibleError
-    from lms.train import load_images, train
+    from lms.core.errors import PlanInfeasibleError
+    from lms.harness.train import load_images, train
 
     data = (
         load_images(args.data, args.model, args.image_size, args.batch_size) if args.data else None
@@ -171,7 +171,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from lms.bench.compare import bench, plot_bench
+    from lms.harness.bench import bench, plot_bench
 
     result = bench(
         args.model,
@@ -193,12 +193,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from lms.demo import run_demo
+    from lms.harness.demo import run_demo
 
     run_demo(out_dir=args.out, steps=args.steps)
     return 0
 
 
+# Long by design: a declarative list of the command's options, one call each.
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lms`` command."""
     parser = argparse.ArgumentParser(prog="lms", description="Large Model Support for PyTorch")
@@ -308,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "gpu_memory", None) is not None:
             parse_bytes(args.gpu_memory, field="--gpu-memory", positive=True)
         if getattr(args, "model", None) is not None and args.batch_size is None:
-            from lms.zoo import zoo_model
+            from lms.harness.zoo import zoo_model
 
             args.batch_size = zoo_model(args.model).min_batch
         os.makedirs(getattr(args, "out", ".") or ".", exist_ok=True)

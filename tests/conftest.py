@@ -79,7 +79,7 @@ def midway_budget(trace, spec):
     """A budget halfway between the peak with every saved storage moved (what stays is the
     floor) and the peak with none moved: a plan must move some, and some plan fits."""
     from lms.analysis import simulate
-    from lms.planning.common import Checker
+    from lms.planning.candidates import Candidates
 
-    _, everything_out = Checker(trace, spec, budget_bytes=2**40).require_feasible()
+    _, everything_out = Candidates(trace, spec, budget_bytes=2**40).require_feasible()
     return (everything_out.peak_bytes + simulate(trace, None, spec).peak_bytes) // 2

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import lms
-from lms import cache
-from lms.plan import Plan
-from lms.planning.common import Checker
+from lms.core.plan import Plan
+from lms.orchestration import cache
+from lms.planning.candidates import Candidates
 from tests.planning.test_planners import Skips
 
 
@@ -26,7 +26,7 @@ def _tune(folder, budget="18MiB", planner=None):
     offload = lms.LMS(budget=budget, min_offload_bytes=0)
     if planner is None:
         return offload.tune(model, [torch.randn(2048, 256)], _step, cache_dir=str(folder))
-    from lms.tuning import tune_plan
+    from lms.orchestration.tuning import tune_plan
 
     return tune_plan(
         model,
@@ -73,7 +73,7 @@ def test_a_cached_plan_that_cannot_be_followed_is_tuned_again(tmp_path, caplog, 
 
 
 def _everything_out(trace, spec, budget_bytes, *, half=False):
-    return Checker(trace, spec, budget_bytes, half).require_feasible()[0]
+    return Candidates(trace, spec, budget_bytes, half).require_feasible()[0]
 
 
 def test_plans_for_another_budget_or_planner_are_kept_apart(tmp_path):
@@ -88,7 +88,7 @@ def test_a_plan_kept_by_other_planner_code_is_tuned_again(tmp_path, caplog, monk
     code = cache.planner_code()
     assert len(code) == 12 and code == cache.planner_code()
     tuned = _tune(tmp_path)
-    monkeypatch.setattr("lms.tuning.planner_code", lambda: "other")
+    monkeypatch.setattr("lms.orchestration.tuning.planner_code", lambda: "other")
     caplog.set_level("INFO", logger="lms")
     assert _tune(tmp_path) == tuned
     assert "Loaded the plan" not in caplog.text  # tuned, and filed apart

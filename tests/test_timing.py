@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lms import timing, tuning
 from lms.analysis import trace_step
-from lms.analysis.devices import DEVICES, OpTimings
-from lms.analysis.records import OpCall, TensorMeta
 from lms.analysis.simulate import op_seconds, simulate
-from lms.timing import time_ops
+from lms.core.devices import DEVICES, OpTimings
+from lms.core.records import OpCall, TensorMeta
+from lms.orchestration import local, timing, tuning
+from lms.orchestration.timing import time_ops
 
 CPU = torch.device("cpu")
 
@@ -123,7 +123,7 @@ def test_calls_that_cannot_run_here_keep_the_rates(caplog):
     too_large = [i for i, op in enumerate(trace.ops) if op.working_set_bytes > cap]
     assert largest in too_large and all(timings.seconds[i] is None for i in too_large)
     assert "refused made-up data" in caplog.text and "1 refused" in caplog.text
-    spec = tuning.local_device_spec(CPU)
+    spec = local.local_device_spec(CPU)
     rates = op_seconds(trace, spec, False)
     timed = op_seconds(trace, spec.with_op_timings(timings), False)
     for i in (first_mm, *too_large):
@@ -177,7 +177,7 @@ def test_the_simulator_takes_the_times_for_the_trace_timed_alone():
 
 
 def test_a_cpu_plan_is_tuned_on_the_times_of_its_own_ops(monkeypatch, caplog, tmp_path):
-    monkeypatch.setattr(tuning, "_TIMED", {})
+    monkeypatch.setattr(local, "_TIMED", {})
     model = _net(width=256)
     batch = (torch.randn(64, 256),)
     seen = []
@@ -217,7 +217,7 @@ def test_a_cpu_plan_is_tuned_on_the_times_of_its_own_ops(monkeypatch, caplog, tm
 def test_a_gpu_plan_is_priced_at_its_ops_timed_on_the_card(monkeypatch):
     """Where the rates misprice a GPU's ops too (Note [Ops timed on the device]); timed again
     when the kernel settings change, as they choose other kernels."""
-    monkeypatch.setattr(tuning, "_TIMED", {})
+    monkeypatch.setattr(local, "_TIMED", {})
     trace = _trace(_net())
     asked = []
 
@@ -225,16 +225,16 @@ def test_a_gpu_plan_is_priced_at_its_ops_timed_on_the_card(monkeypatch):
         asked.append((device, max_bytes))
         return OpTimings(trace.fingerprint(), tuple(1e-3 for _ in trace.ops))
 
-    monkeypatch.setattr(tuning, "time_ops", timed)
+    monkeypatch.setattr(local, "time_ops", timed)
     cuda = torch.device("cuda")
     spec = DEVICES["h100-80gb"]
-    first = tuning.with_local_timings(spec, trace, cuda, 2**30)
+    first = local.with_local_timings(spec, trace, cuda, 2**30)
     assert asked == [(cuda, 2**30)] and first.op_timings is not None
-    assert tuning.with_local_timings(spec, trace, cuda, 2**30).op_timings is first.op_timings
+    assert local.with_local_timings(spec, trace, cuda, 2**30).op_timings is first.op_timings
     benchmark = torch.backends.cudnn.benchmark
     try:
         torch.backends.cudnn.benchmark = not benchmark
-        tuning.with_local_timings(spec, trace, cuda, 2**30)
+        local.with_local_timings(spec, trace, cuda, 2**30)
     finally:
         torch.backends.cudnn.benchmark = benchmark
     assert len(asked) == 2

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from lms.analysis import trace_step
-from lms.bench.compare import summarize
 from lms.cli import main
-from lms.errors import StepFailedError
-from lms.train import checkpoint_blocks, train
-from lms.zoo import ZOO
+from lms.core.errors import StepFailedError
+from lms.harness.bench import summarize
+from lms.harness.train import checkpoint_blocks, train
+from lms.harness.zoo import ZOO
 
 
 def test_every_method_trains_and_measures():
@@ -121,7 +121,7 @@ def test_cli_train_infeasible_budget_fails_before_training(capsys):
     ],
 )
 def test_rates_keep_three_significant_figures(per_s, unit, text):
-    from lms._units import format_rate
+    from lms.core.units import format_rate
 
     assert format_rate(per_s, unit) == text
 
@@ -152,7 +152,7 @@ def test_cli_keeps_named_submodules_on_the_device_and_refuses_other_names(tmp_pa
 
 
 def test_deeplabv3_refuses_a_batch_of_one_and_defaults_to_two(tmp_path, capsys):
-    from lms.bench.compare import bench
+    from lms.harness.bench import bench
 
     with pytest.raises(ValueError, match="deeplabv3 trains on batches of 2 or more"):
         train("deeplabv3", size=64, batch_size=1, steps=1, method="none", device="cpu")
@@ -170,7 +170,7 @@ def test_deeplabv3_refuses_a_batch_of_one_and_defaults_to_two(tmp_path, capsys):
 
 
 def test_bench_rotates_the_methods_and_keeps_each_median(monkeypatch):
-    from lms.bench import compare
+    from lms.harness import bench as compare
 
     order = []
     times = {"none": iter([3.0, 1.0, 1.5]), "lms": iter([5.0, 4.0, 9.0])}
@@ -222,7 +222,7 @@ def test_bench_rotates_the_methods_and_keeps_each_median(monkeypatch):
 
 
 def test_fewer_than_one_step_fails_before_anything_runs(capsys):
-    from lms.bench.compare import bench
+    from lms.harness.bench import bench
 
     with pytest.raises(ValueError, match="steps=0 must be at least 1"):
         train("resnet50", size=64, steps=0, method="none", device="cpu")
@@ -333,7 +333,7 @@ def test_the_demo_trains_past_its_budget_within_it_as_simulated(tmp_path):
     """The main job, in a fresh process: its measured peak (the weights and batch the step
     starts with, then the heap's growth) stays within the budget, near the simulated peak."""
     script = (
-        "import json, sys; from lms.demo import run_demo; "
+        "import json, sys; from lms.harness.demo import run_demo; "
         "print(json.dumps(run_demo(out_dir=sys.argv[1], steps=2)))"
     )
     out = subprocess.run(
@@ -353,7 +353,7 @@ def test_the_demo_trains_past_its_budget_within_it_as_simulated(tmp_path):
 
 
 def test_bench_removes_the_spill_folder_of_a_run_that_was_killed(tmp_path, monkeypatch):
-    from lms.bench import compare
+    from lms.harness import bench as compare
 
     child = (
         "import os, signal, torch, lms\n"

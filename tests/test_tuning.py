@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
-from lms import tuning
-from lms.errors import SpillError
+from lms.core.errors import SpillError
+from lms.orchestration import local, rates
 
 
 def test_local_spec_measures_each_gpu_once_per_tf32_setting(monkeypatch):
@@ -21,11 +21,11 @@ def test_local_spec_measures_each_gpu_once_per_tf32_setting(monkeypatch):
 
     def compute(device):
         calls["compute"] += 1
-        return tuning.ComputeRates(70e12 + calls["compute"], 100e12, 2000.0)
+        return rates.ComputeRates(70e12 + calls["compute"], 100e12, 2000.0)
 
-    monkeypatch.setattr(tuning, "_MEASURED", {})
-    monkeypatch.setattr(tuning, "measure_link_gbps", link)
-    monkeypatch.setattr(tuning, "measure_compute", compute)
+    monkeypatch.setattr(local, "_MEASURED", {})
+    monkeypatch.setattr(local, "measure_link_gbps", link)
+    monkeypatch.setattr(local, "measure_compute", compute)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(
         torch.cuda,
@@ -34,16 +34,16 @@ def test_local_spec_measures_each_gpu_once_per_tf32_setting(monkeypatch):
     )
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
-    first = tuning.local_device_spec(torch.device("cuda"))
-    again = tuning.local_device_spec(torch.device("cuda", 0))
+    first = local.local_device_spec(torch.device("cuda"))
+    again = local.local_device_spec(torch.device("cuda", 0))
     assert first == again and calls == {"link": 1, "compute": 1}
     assert first.d2h_gbps == 51.0 and first.peak_flops == 70e12 + 1
     # Note [The allocator's slack]: the table's workspace margin and the allocator's idle blocks
-    h100 = tuning.DEVICES["h100-80gb"]
-    assert first.workspace_bytes == h100.workspace_bytes + tuning.ALLOCATOR_SLACK_BYTES
-    tuning.local_device_spec(torch.device("cuda", 1))  # another GPU
+    h100 = local.DEVICES["h100-80gb"]
+    assert first.workspace_bytes == h100.workspace_bytes + local.ALLOCATOR_SLACK_BYTES
+    local.local_device_spec(torch.device("cuda", 1))  # another GPU
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # other convolution rates
-    tuning.local_device_spec(torch.device("cuda", 0))
+    local.local_device_spec(torch.device("cuda", 0))
     assert calls == {"link": 3, "compute": 3}
 
 
@@ -56,22 +56,22 @@ def test_local_cpu_spec_measures_once_per_thread_count_and_takes_medians(monkeyp
     def compute(device, at_least_s):
         calls["compute"] += 1
         assert device.type == "cpu"
-        return tuning.ComputeRates(*next(rounds))
+        return rates.ComputeRates(*next(rounds))
 
     def spill():
         calls["spill"] += 1
         return 4.0, 2.0, 1.5
 
-    monkeypatch.setattr(tuning, "_MEASURED_CPU", {})
-    monkeypatch.setattr(tuning, "measure_compute", compute)
-    monkeypatch.setattr(tuning, "measure_spill_gbps", spill)
-    monkeypatch.setattr(tuning, "measure_fresh_memory_gbps", lambda: 3.5)
-    monkeypatch.setattr(tuning, "_cores", lambda: 4)
+    monkeypatch.setattr(local, "_MEASURED_CPU", {})
+    monkeypatch.setattr(local, "measure_compute", compute)
+    monkeypatch.setattr(local, "measure_spill_gbps", spill)
+    monkeypatch.setattr(local, "measure_fresh_memory_gbps", lambda: 3.5)
+    monkeypatch.setattr(local, "_cores", lambda: 4)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(4)
-        spec = tuning.local_device_spec(torch.device("cpu"))
-        assert tuning.local_device_spec(torch.device("cpu")) == spec
+        spec = local.local_device_spec(torch.device("cpu"))
+        assert local.local_device_spec(torch.device("cpu")) == spec
         assert calls == {"compute": 3, "spill": 1}
         assert (spec.peak_flops, spec.peak_flops_half, spec.memory_bandwidth_gbps) == (
             150e9,
@@ -82,31 +82,31 @@ def test_local_cpu_spec_measures_once_per_thread_count_and_takes_medians(monkeyp
         assert (spec.fresh_memory_gbps, spec.fresh_read_gbps) == (3.5, 1.5)
         assert spec.name == "cpu" and spec.cpu_scratch  # the table's entry, otherwise
         torch.set_num_threads(2)  # a core left for the copies' thread
-        fewer = tuning.local_device_spec(torch.device("cpu"))
+        fewer = local.local_device_spec(torch.device("cpu"))
         assert calls == {"compute": 6, "spill": 2} and not fewer.copies_take_compute
     finally:
         torch.set_num_threads(threads)
 
 
 def test_a_temporary_folder_that_refuses_spill_files_leaves_the_tables_link(monkeypatch, caplog):
-    rates = tuning.ComputeRates(150e9, 300e9, 50.0)
+    measured = rates.ComputeRates(150e9, 300e9, 50.0)
 
     def full():
         raise SpillError("lms: the spill folder has 0 B free")
 
-    monkeypatch.setattr(tuning, "_MEASURED_CPU", {})
-    monkeypatch.setattr(tuning, "measure_compute", lambda device, at_least_s: rates)
-    monkeypatch.setattr(tuning, "measure_spill_gbps", full)
-    monkeypatch.setattr(tuning, "measure_fresh_memory_gbps", lambda: None)
+    monkeypatch.setattr(local, "_MEASURED_CPU", {})
+    monkeypatch.setattr(local, "measure_compute", lambda device, at_least_s: measured)
+    monkeypatch.setattr(local, "measure_spill_gbps", full)
+    monkeypatch.setattr(local, "measure_fresh_memory_gbps", lambda: None)
     with caplog.at_level("WARNING", logger="lms"):
-        spec = tuning.local_device_spec(torch.device("cpu"))
-    table = tuning.DEVICES["cpu"]
+        spec = local.local_device_spec(torch.device("cpu"))
+    table = local.DEVICES["cpu"]
     assert (spec.d2h_gbps, spec.h2d_gbps) == (table.d2h_gbps, table.h2d_gbps)
-    assert spec.peak_flops == rates.flops and "0 B free" in caplog.text
+    assert spec.peak_flops == measured.flops and "0 B free" in caplog.text
 
 
 def test_spill_rates_are_measured_in_the_spill_folder_and_leave_nothing(tmp_path):
-    write, read, fresh_read = tuning.measure_spill_gbps(str(tmp_path), files=2, nbytes=1024**2)
+    write, read, fresh_read = rates.measure_spill_gbps(str(tmp_path), files=2, nbytes=1024**2)
     assert write > 0 and read > 0 and (fresh_read is None or fresh_read > 0)
     assert list(tmp_path.iterdir()) == []
 
@@ -179,7 +179,7 @@ def test_the_first_step_prefetches_in_the_order_the_trace_read(spill_dir, monkey
     trace = trace_step(model, [x], step, device="cpu", min_offload_bytes=0)
     # copies beside compute (a core to spare for them), where moving beats replaying
     beside = dataclasses.replace(device_spec("cpu"), copies_take_compute=False)
-    monkeypatch.setattr(tuning, "local_device_spec", lambda device: beside)
+    monkeypatch.setattr(local, "local_device_spec", lambda device: beside)
     with pytest.raises(lms.PlanInfeasibleError) as info:
         lms.LMS(budget=1, min_offload_bytes=0).tune(model, [x], step)
     budget = info.value.min_budget_bytes + simulate(trace, None, device_spec("cpu")).peak_bytes

@@ -1,15 +1,14 @@
-"""The pure core: trace a step with fake tensors, simulate it on a device spec, plan."""
+"""Analysis: trace a step with fake tensors and simulate it on a device spec.
 
-from lms.analysis.analyze import Report, analyze, report_for
-from lms.analysis.devices import DEVICES, DeviceSpec, device_spec
-from lms.analysis.records import OpRecord, SavedEvent, StorageRecord, Trace
+Sits on `lms.core` alone; the runtime and the planners are not imported here.
+"""
+
 from lms.analysis.simulate import SimResult, runtime_plan, simulate
 from lms.analysis.trace import trace_step
+from lms.core.devices import DEVICES, DeviceSpec, device_spec
+from lms.core.records import OpRecord, SavedEvent, StorageRecord, Trace
 
 __all__ = [
-    "analyze",
-    "report_for",
-    "Report",
     "DeviceSpec",
     "DEVICES",
     "device_spec",

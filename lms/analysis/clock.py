@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import itertools
 
-from lms.analysis.devices import FRESH_PAGES_BYTES, DeviceSpec
-from lms.analysis.recompute import Recipe, recipes
-from lms.analysis.records import JunctionRecord, Trace
-from lms.plan import Plan
-from lms.runtime import policy
+from lms.core import costs, policy
+from lms.core.devices import DeviceSpec
+from lms.core.plan import Plan
+from lms.core.recipes import Recipe, recipes
+from lms.core.records import JunctionRecord, Trace
+from lms.core.sync import SyncMode
 
 __all__ = ["Clock", "allowance", "relieved_junctions"]
 
@@ -37,13 +38,13 @@ def allowance(trace: Trace, budget_bytes: int) -> int:
 def relieved_junctions(trace: Trace, plan: Plan | None) -> dict[int, JunctionRecord]:
     """The plan's relieved junctions that the trace saw as the plan counts them, by ordinal;
     each storage in one only."""
-    if plan is None or not plan.stash:
+    if plan is None or not plan.relieved_junctions:
         return {}
     known = trace.junction_ordinals()
     counts = plan.junction_partials()
     chosen: dict[int, JunctionRecord] = {}
     used: set[int] = set()
-    for ordinal in sorted(plan.stash):
+    for ordinal in sorted(plan.relieved_junctions):
         junction = known.get(ordinal)
         if junction is None or junction.partials != counts[ordinal] or junction.sums & used:
             continue
@@ -85,7 +86,7 @@ class Clock:
         self.seconds = seconds
         self.entries = entries = trace.entries()
         self.offload = set(plan.offload) if plan is not None else set()
-        self.sync_out = plan is not None and plan.sync_mode in (1, 3)
+        self.sync_out = plan is not None and SyncMode(plan.sync_mode).waits_out
         # Spilled entries go through host memory to disk and back, as the runtime moves them: a
         # blocking copy to the host, a background write; a background read, a blocking copy in.
         self.spill = set(plan.spill) if plan is not None else set()
@@ -112,11 +113,6 @@ class Clock:
             if plan is not None and plan.budget_bytes is not None
             else None
         )
-        self.d2h_bw = spec.d2h_gbps * 1e9
-        self.h2d_bw = spec.h2d_gbps * 1e9
-        self.fresh_read_bw = None if spec.fresh_read_gbps is None else spec.fresh_read_gbps * 1e9
-        self.write_bw = spec.disk_write_gbps * 1e9
-        self.read_bw = spec.disk_read_gbps * 1e9
         self.start = [0.0] * (len(trace.ops) + 1)
         self.done_at = [0.0] * len(trace.ops)
         self.out_start: dict[int, float] = {}
@@ -188,7 +184,7 @@ class Clock:
         self.saves_at, self.issues_at, self.needs_at = _by_op(saves), _by_op(issues), _by_op(needs)
 
     def _run(self, ahead: int, plan: Plan | None) -> None:
-        self._schedule(ahead, plan is not None and plan.sync_mode in (2, 3))
+        self._schedule(ahead, plan is not None and SyncMode(plan.sync_mode).on_demand)
         kept_at: dict[int, int] = {}
         for ordinal, (_, size, save_op) in enumerate(self.entries):
             if ordinal not in self.offload and ordinal not in self.recompute:
@@ -254,23 +250,12 @@ class Clock:
 
     # Note: [Copies on a CPU take its cores]
     # On a GPU, copy engines move offloaded data while the cores compute. On a CPU, the spill
-    # store's thread copies it (into the page cache, and back into fresh memory), and while
-    # PyTorch's threads fill every core that thread takes one of them: an op of two threads
-    # runs at the pace of the one that shares its core. ResNet50 at 512 px, batch 2, on 2
-    # cores, offloading 624 MiB a step: 2.27 s a step against 1.77 without offload, where the
-    # spill thread alone takes 0.16 s to write that data and 0.31 s to read it back; with one
-    # compute thread, 3.40 s against 3.32, the copies hidden. Where the spec says so
-    # (`DeviceSpec.copies_take_compute`) a copy that compute does not wait for costs it the
-    # copy's time all the same; one that it waits for costs that wait alone. That is the most
-    # it costs: over five budgets and sizes of ResNet50 the step lost 0.3 to 1.3 times the
-    # spill thread's time (0.3 at 1024 px, batch 1, 928 MiB moved, where the plan that moved it
-    # ran 5% over no offload and was priced at 22%). Priced so, plans there replay where they
-    # moved: at 1024 px 4.45 s a step against 4.67 (no offload 4.44), at 512 px with 60% of
-    # the step's memory 2.02 against 2.21, with 40% 2.15 against 2.27; at 768 px 2.02 against
-    # 1.99, within this machine's noise. With fresh pages priced as well (Note [Fresh pages on
-    # a CPU]), replays of large tensors cost more and plans move some again: at 1024 px 17
-    # replayed and 376 MiB moved, 4.77 s against 4.70 for the plan that moves 928 MiB (no
-    # offload 4.11); at 512 px with 60%, 2.13 against 2.18 (no offload 1.86).
+    # store's thread copies it, and while PyTorch's threads fill every core that thread takes one of
+    # them: an op of two threads runs at the pace of the one that shares its core. Where the spec
+    # says so (`DeviceSpec.copies_take_compute`) a copy that compute does not wait for costs it the
+    # copy's time all the same, and one that it waits for costs that wait alone; that is the most it
+    # costs, so plans priced so lean to recomputing where the copies would take compute's time.
+    # Measured steps and plans: benchmarks/results/README.md, "Copies on a CPU".
     def _taken_from_compute(self, seconds: float) -> None:
         """A copy's ``seconds`` that compute loses to it (Note [Copies on a CPU take its
         cores])."""
@@ -284,16 +269,17 @@ class Clock:
         """Copy ``ordinal`` out as it is saved; returns the copies out still running."""
         size = self.entries[ordinal][1]
         self.out_start[ordinal] = self.now
+        out_s = costs.copy_out_s(self.spec, size)
         if ordinal in self.spill:
-            self._block(size / self.d2h_bw)
+            self._block(out_s)
             self.out_done[ordinal] = self.now
-            finish = max(self.now, self.disk_free) + size / self.write_bw
+            finish = max(self.now, self.disk_free) + costs.spill_write_s(self.spec, size)
             self.disk_free = self.written[ordinal] = finish
             return pending
         self.out_start[ordinal] = max(self.now, self.d2h_free)
-        self.d2h_free = self.out_done[ordinal] = self.out_start[ordinal] + size / self.d2h_bw
+        self.d2h_free = self.out_done[ordinal] = self.out_start[ordinal] + out_s
         pending.append((self.d2h_free, size))
-        self._taken_from_compute(size / self.d2h_bw)
+        self._taken_from_compute(out_s)
         if self.sync_out:
             self._wait_until(self.d2h_free)
         pending = [(done, nbytes) for done, nbytes in pending if done > self.now]
@@ -310,39 +296,22 @@ class Clock:
     def _take(self, ordinal: int, k: int) -> None:
         """Copy the k-th partial gradient of a relieved junction out."""
         begin = max(self.now, self.d2h_free)
-        self.d2h_free = begin + self.relieved[ordinal].sizes[k] / self.d2h_bw
+        self.d2h_free = begin + costs.copy_out_s(self.spec, self.relieved[ordinal].sizes[k])
         self.taken[ordinal, k] = (begin, self.d2h_free)
         self._taken_from_compute(self.d2h_free - begin)
         if self.sync_out:  # the runtime waits for every copy out, these too
             self._wait_until(self.d2h_free)
-
-    # Note: [Reads back into fresh pages]
-    # On a CPU a storage read back from its spill file lands in memory allocated for it, and
-    # from `FRESH_PAGES_BYTES` on glibc maps that anew (Note [Fresh pages on a CPU]): the spill
-    # store's one thread faults each page in as the read fills it. Here a 32 MiB file in the
-    # page cache was read at 12 GB/s into memory written before and at 1.8 GB/s into fresh
-    # memory; ResNet50 at 512 px, batch 2, reads back 32 MiB activations, and its demo plan,
-    # priced at the spill store's rate into reused memory, waited 0.16 s a step for reads
-    # where it was priced to wait for none. The spec measures both (`lms.tuning.
-    # measure_spill_gbps`), and a read back of that size costs the read plus the faults.
-    def _in_seconds(self, size: int) -> float:
-        """Seconds to bring ``size`` bytes back over the link (Note [Reads back into fresh
-        pages])."""
-        seconds = size / self.h2d_bw
-        if self.fresh_read_bw is not None and size >= FRESH_PAGES_BYTES:
-            seconds += size / self.fresh_read_bw
-        return seconds
 
     def _load(self, ordinal: int) -> None:
         """Start bringing ``ordinal`` back now, after copies in already queued."""
         size = self.entries[ordinal][1]
         if ordinal in self.spill:
             begin = max(self.now, self.disk_free, self.written[ordinal])
-            self.disk_free = self.in_done[ordinal] = begin + size / self.read_bw
+            self.disk_free = self.in_done[ordinal] = begin + costs.spill_read_s(self.spec, size)
             return
         self.in_issue[ordinal] = self.now
         begin = max(self.now, self.h2d_free, self.out_done.get(ordinal, 0.0))
-        seconds = self._in_seconds(size)
+        seconds = costs.copy_in_s(self.spec, size)
         self.h2d_free = self.in_done[ordinal] = begin + seconds
         self._taken_from_compute(seconds)
 
@@ -351,7 +320,7 @@ class Clock:
         self._wait_until(self.in_done[ordinal])
         if ordinal in self.spill and ordinal not in self.in_issue:
             self.in_issue[ordinal] = self.now
-            self._block(self.entries[ordinal][1] / self.h2d_bw)
+            self._block(costs.copy_in_s(self.spec, self.entries[ordinal][1]))
             self.in_done[ordinal] = self.now
 
     def _remake(self, ordinal: int) -> None:
@@ -369,7 +338,7 @@ class Clock:
                 if not self._read_back_for_replay(source):
                     self._arrive(source)
         self.recompute_start[ordinal] = self.now
-        cost = sum(self.seconds[k] for k in self.chosen[ordinal].all_ops)
+        cost = costs.replay_s(self.seconds, self.chosen[ordinal].all_ops)
         self.recompute_s += cost
         self.now += cost
         self.recompute_end[ordinal] = self.now
@@ -389,7 +358,7 @@ class Clock:
             return False
         following = [op for op in uses if op >= self.at_op]
         if not following:
-            self._block(self._in_seconds(self.entries[source][1]))
+            self._block(costs.copy_in_s(self.spec, self.entries[source][1]))
         elif (source, following[0]) not in self.reloaded_early:  # else held since a replay
             self.reloaded_early.add((source, following[0]))
             self._reload(source)
@@ -399,13 +368,13 @@ class Clock:
         """Read ``ordinal`` back again for a later use, on demand."""
         size = self.entries[ordinal][1]
         if ordinal in self.spill:  # read again and copied in
-            self.disk_free = max(self.now, self.disk_free) + size / self.read_bw
+            self.disk_free = max(self.now, self.disk_free) + costs.spill_read_s(self.spec, size)
             self.reload_start[ordinal].append(self.disk_free)
-            self._wait_until(self.disk_free + size / self.h2d_bw)
+            self._wait_until(self.disk_free + costs.copy_in_s(self.spec, size))
             return
         begin = max(self.now, self.h2d_free)
         self.reload_start[ordinal].append(begin)
-        self.h2d_free = begin + self._in_seconds(size)
+        self.h2d_free = begin + costs.copy_in_s(self.spec, size)
         self._wait_until(self.h2d_free)
 
     def _join(self, ordinal: int) -> None:
@@ -413,7 +382,7 @@ class Clock:
         junction = self.relieved[ordinal]
         copied = (self.taken[ordinal, k][1] for k in range(junction.taken))
         begin = max(self.now, self.h2d_free, *copied)
-        self.h2d_free = begin + junction.nbytes / self.h2d_bw
+        self.h2d_free = begin + costs.copy_in_s(self.spec, junction.nbytes)
         self.rejoined[ordinal] = (self.now, self.h2d_free)
         self._wait_until(self.h2d_free)
 

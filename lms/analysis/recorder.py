@@ -16,7 +16,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lms.analysis.records import (
+from lms.core import junctions
+from lms.core.errors import UnplannableStepError
+from lms.core.keep import offload_blocked, without_node
+from lms.core.records import (
     JunctionRecord,
     OpCall,
     OpRecord,
@@ -24,10 +27,6 @@ from lms.analysis.records import (
     StorageRecord,
     TensorMeta,
 )
-from lms.errors import UnplannableStepError
-from lms.runtime import junctions
-from lms.runtime.keep import offload_blocked
-from lms.runtime.step import without_node
 
 __all__ = ["Recorder"]
 
@@ -461,37 +460,17 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 
 # Note: [Convolution scratch on the CPU]
 # A convolution on a CPU takes memory for itself while it runs, on top of its tensors, which fake
-# tensors do not show. How much depends on the kernel PyTorch picks for it (which
-# `torch._C._select_conv_backend` tells from the tensors' shapes, layout and dtype), measured as
-# the heap in use sampled while each op ran (PyTorch 2.14, AVX-512; 2D and 3D, 1x1 to 7x7,
-# strided, dilated, grouped, transposed; ResNet50, DeepLabV3, a 3D U-Net):
-# - oneDNN copies the weights into its blocked layout, and in backward also makes their gradient
-#   there (2048->256 channels 3x3: 18 MiB forward, 36 backward). Tensors in the contiguous layout
-#   (NCHW, NCDHW) are copied in too, and the results back: forward took the larger of its input
-#   and output (64->64 channels 3x3 at 512x512: 64.2 MiB), twice its output when transposed;
-#   backward the output gradient plus the larger of the input and the input gradient (128.2 MiB
-#   there), plus both when strided; channels counted up to a whole block of 16. In the
-#   channels-last layout oneDNN takes activations as they are, but for twice the output gradient
-#   in a strided backward that makes an input gradient (64->128 3x3 stride 2 at 512x512: 64.6
-#   MiB) and the output of a transposed forward.
-# - In half precision (bfloat16 autocast; measured on a CPU with AVX-512 BF16 and no AMX) a
-#   weight gradient also takes its input and its output gradient in single precision, channels
-#   counted up to a block (64->64 3x3 at 256x256: 32 MiB on top), or both once in bfloat16 when
-#   strided or transposed; not for a first layer of fewer than 16 channels, nor for a pointwise
-#   convolution's weight gradient alone on contiguous tensors. A pointwise convolution forward
-#   on contiguous tensors takes its input and four times its output (five below 16 channels out).
-# - PyTorch names oneDNN's transposed kernel "???" in Python (`_backend` calls it
-#   "MkldnnTranspose"); it takes what the other takes, the output for the input.
-# - The native kernels PyTorch keeps for small convolutions (one sample of few channels, fp32)
-#   unfold the input into columns, one per kernel tap: channels in x kernel taps x output
-#   positions (8->8 3x3x3 at 48^3: 91.1 MiB for tensors of 3.4 MiB), forward and backward alike;
-#   a transposed one, channels out x taps x input positions.
-# These are estimates: most ops came within 2% of them (a few small ones further off either way),
-# and the step of each model above, in single and half precision, within 3% of its simulation
-# without offload, but for one case left out: a dilated convolution whose kernel spans more than
-# its input (DeepLabV3's ASPP at dilation 24 and 36 over 32x32) takes 152 MiB in backward where
-# 36 are estimated, which leaves DeepLabV3's CPU step 16% above its simulation. The simulator
-# counts them for the "cpu" spec only (`DeviceSpec.cpu_scratch`). Other ops' scratch is small.
+# tensors do not show. How much depends on the kernel PyTorch picks for it, which
+# `torch._C._select_conv_backend` tells from the tensors' shapes, layout and dtype. oneDNN copies
+# the weights into its blocked layout (and in backward makes their gradient there), copies
+# activations in the contiguous layout in and the results back, and in half precision keeps a weight
+# gradient's operands in single precision; the native kernels kept for small convolutions unfold the
+# input into columns, one per kernel tap. `_cpu_scratch` estimates each of these from the op's
+# tensors, channels counted up to a whole block of `_CHANNEL_BLOCK`. A dilated convolution whose
+# kernel spans more than its input takes more than estimated. The simulator counts scratch for the
+# "cpu" spec only (`DeviceSpec.cpu_scratch`); other ops' scratch is small. The sizes measured per
+# kernel, and how close the estimates came: benchmarks/results/README.md, "Convolution scratch on
+# the CPU".
 _CONVOLUTIONS = {"aten.convolution.default", "aten.convolution_backward.default"}
 _CHANNEL_BLOCK = 16
 

@@ -20,10 +20,10 @@ from typing import NamedTuple
 import numpy
 
 from lms.analysis.clock import Clock, allowance
-from lms.analysis.devices import FRESH_PAGES_BYTES, DeviceSpec
-from lms.analysis.records import JunctionRecord, StorageRecord, Trace
-from lms.plan import Plan
-from lms.runtime import policy
+from lms.core import costs, policy
+from lms.core.devices import DeviceSpec
+from lms.core.plan import Plan
+from lms.core.records import JunctionRecord, StorageRecord, Trace
 
 __all__ = ["SimResult", "simulate", "runtime_plan", "Interval", "op_seconds"]
 
@@ -77,7 +77,8 @@ class SimResult:
     disk_peak_bytes: int = 0
     """Peak of bytes in spill files: the plan's ``spill`` entries, staged through host memory."""
     relieved_junctions: int = 0
-    """Gradient junctions whose partials waited off the device (the plan's ``stash``)."""
+    """Gradient junctions whose partials waited off the device (the plan's
+    ``relieved_junctions``)."""
     relieved_bytes: int = 0
     """Bytes of those partials."""
     backward_start_s: float = 0.0
@@ -123,15 +124,16 @@ def op_seconds(
     key = ("op_seconds", spec, half, write_log)
     known = trace.memo.get(key)
     if known is None:
-        rate = spec.peak_flops_half if half else spec.peak_flops
-        bandwidth = spec.memory_bandwidth_gbps * 1e9
         overhead = spec.op_overhead_s + (spec.write_log_op_s if write_log else 0.0)
         fresh = _fresh_seconds(trace, spec)
         timed = _timed_seconds(trace, spec)
         known = trace.memo[key] = tuple(
             overhead
             + (
-                max(op.flops / rate, op.working_set_bytes / bandwidth) + fresh.get(i, 0.0)
+                costs.compute_s(
+                    spec, flops=op.flops, working_set_bytes=op.working_set_bytes, half=half
+                )
+                + fresh.get(i, 0.0)
                 if seconds is None
                 else seconds
             )
@@ -141,25 +143,16 @@ def op_seconds(
 
 
 # Note: [Ops timed on the device]
-# The rates price an op by its FLOPs or its bytes, whichever takes longer at the device's
-# measured convolution and add, and many ops run far off both. On this project's 2-core CPU, at
-# ResNet50 and GoogLeNet sizes: a training batch norm moves 4 to 8 GB/s where the add moves 30
-# to 60, so batch norms ran 5 times their price; a 3x3 max pooling with indices compares
-# 0.5 billion elements a second and moves 1 GB/s, 15 to 35 times its price (GoogLeNet's 13
-# took 112 ms a step, priced at 3); convolutions' gradients ran 15% to 30% over theirs. A GPU's
-# the other way: on an H200, ResNet50 at 4000 px was priced at 0.155 s a step, 100 ms of it
-# convolutions, and ran in 0.102, its convolutions far faster than the one the rate was measured
-# on; LMS at 8000 px was priced at +14.8% and ran at 1.49 times the time per pixel. Where a
-# plan is made for the device it runs on, `lms.timing.time_ops` runs each distinct call of the
-# trace alone on real tensors of its shapes, and the simulator takes those times (plus the
-# spec's per-op overhead, for the framework's own work around each op) in place of the rates,
-# for that trace alone (the fingerprint must match). Ops not timed keep the rates. Replays are
-# the same ops, so a plan prices its recomputation at what it costs too. Seven steps of the
-# seed's models (`benchmarks/step_time.py`) were predicted within -11% to -1% of their runs by
-# the times, -28% to +11% by the rates measured in the same process. Ops are timed on a warm
-# heap (Note [Fresh pages on a CPU]), each the fastest of its runs: below 32 MiB a step's
-# tensors mostly reuse memory (an 8 MiB ReLU gradient took 2.4 ms timed on a cold heap, 0.75
-# in a step), though not always (a 16 MiB one took 4.7 ms in a step, 0.9 timed warm).
+# The rates price an op by its FLOPs or its bytes, whichever takes longer at the device's measured
+# convolution and add, and many ops run far off both (batch norms and poolings with indices on a
+# CPU, a GPU's convolutions faster than the one measured). Where a plan is made for the device it
+# runs on, `lms.orchestration.timing.time_ops` runs each distinct call of the trace alone on real
+# tensors of its shapes, and the simulator takes those times (plus the spec's per-op overhead, for
+# the framework's own work around each op) in place of the rates, for that trace alone (the
+# fingerprint must match). Ops not timed keep the rates. Replays are the same ops, so a plan prices
+# its recomputation at what it costs too. Ops are timed on a warm heap (Note [Fresh pages]), each
+# the fastest of its runs, since below `FRESH_PAGES_BYTES` a step's tensors mostly reuse memory. How
+# far the rates and the times were off: benchmarks/results/README.md, "Ops timed on the device".
 def _timed_seconds(trace: Trace, spec: DeviceSpec) -> list[float | None]:
     """The measured seconds of each op of ``trace`` on ``spec`` (Note [Ops timed on the
     device]): None for each op without a time, and for all where the spec's are another
@@ -174,26 +167,15 @@ def _timed_seconds(trace: Trace, spec: DeviceSpec) -> list[float | None]:
     return list(timings.seconds)
 
 
-# Note: [Fresh pages on a CPU]
-# glibc maps each allocation of 32 MiB or more anew (below that it reuses what earlier frees left
-# in its heaps), and the kernel hands the op that first writes it zeroed pages one fault at a
-# time. On this project's CPU an add into a fresh 32 MiB output took 14 ms, into one it had
-# written before 2.3: the first write runs at about 4 GB/s, on top of the op's traffic. ResNet50
-# at 512 px, batch 2, makes 27 such storages a step, each a 32 MiB activation or gradient, and
-# its step ran 1.80 s where the simulator, without them, predicted 1.56 (with them: 1.78); a
-# BatchNorm replayed in backward at that size took 13 to 34 ms where its traffic alone priced it
-# at 2. The CPU spec charges each op for the storages of that size it makes, at the rate
-# measured (`lms.tuning.local_device_spec`); a GPU's caching allocator hands out memory it
-# holds.
 def _fresh_seconds(trace: Trace, spec: DeviceSpec) -> dict[int, float]:
-    """Seconds each op spends first writing storages mapped anew for it (Note [Fresh pages on
-    a CPU]), by op index; empty where the spec has no such cost."""
+    """Seconds each op spends first writing storages mapped anew for it (`costs.fresh_pages_s`),
+    by op index; empty where the spec has no such cost."""
     if spec.fresh_memory_gbps is None:
         return {}
     seconds: dict[int, float] = {}
     for storage in trace.storages:
-        if storage.alloc_op >= 0 and storage.nbytes >= FRESH_PAGES_BYTES:
-            added = storage.nbytes / (spec.fresh_memory_gbps * 1e9)
+        added = costs.fresh_pages_s(spec, storage.nbytes) if storage.alloc_op >= 0 else 0.0
+        if added:
             seconds[storage.alloc_op] = seconds.get(storage.alloc_op, 0.0) + added
     return seconds
 
@@ -581,27 +563,21 @@ _PAGE = 4096
 
 
 # Note: [A mapped storage's own page]
-# glibc maps an allocation of 32 MiB or more on pages of its own (Note [Fresh pages on a CPU]),
-# and its header takes a page more: allocating a 32 MiB tensor here raised the heap in use
-# (`lms.bench.memory.heap_in_use_bytes`) by 32 MiB and 4096 bytes, 100 MiB by 100 MiB and 4096.
-# The "cpu" spec counts each storage of that size at its pages, where blocks are otherwise
-# rounded to 512 bytes.
+# glibc maps an allocation of `FRESH_PAGES_BYTES` or more on pages of its own (Note [Fresh pages]),
+# and its header takes a page more. The "cpu" spec counts each storage of that size at its pages,
+# where blocks are otherwise rounded to 512 bytes. Measured: benchmarks/results/README.md, "A mapped
+# storage's own page".
 
 
 # Note: [The autograd graph on a CPU's heap]
 # On a CPU the budget counts the C heap in use (Note [The C heap in use, not the resident set,
 # measures a CPU step]), and the heap holds more than tensors: autograd's nodes, their saved
-# variables' books and the engine's state, from the op that records each node until backward
-# frees it. Over steady training steps of four zoo models, the heap's peak growth exceeded the
-# tensors' (the profiler's allocation events) by 283 to 320 KB for ResNet50 (285 forward ops,
-# at 256 and 768 px, with LMS and without), 310 KB for GoogLeNet (318), 402 to 414 KB for
-# tinylm (517) and 205 KB for the 3D U-Net (184): 0.78 to 1.12 KiB a forward op, whatever the
-# tensors' sizes (after ResNet50's forward at 64 and at 256 px the heap held 130 KB beside
-# the saved storages both times). Uncounted, it put ResNet50's plan at 1536 px under 1 GiB,
-# predicted 235 KB under the budget, 40 KB over it. The "cpu" spec counts 1.5 KiB a forward op
-# (`DeviceSpec.graph_bytes_per_op`) from the op's start to backward's end, in the device bytes
-# a plan must fit, not in the tensors' peak (`SimResult.peak_tensor_bytes`). On a GPU the graph
-# is in host memory, outside the card's budget.
+# variables' books and the engine's state, from the op that records each node until backward frees
+# it. That share grows with the number of ops, not with the tensors' sizes. The "cpu" spec counts it
+# per forward op (`DeviceSpec.graph_bytes_per_op`) from the op's start to backward's end, in the
+# device bytes a plan must fit, not in the tensors' peak (`SimResult.peak_tensor_bytes`). On a GPU
+# the graph is in host memory, outside the card's budget. Measured per model:
+# benchmarks/results/README.md, "The autograd graph on a CPU's heap".
 def _sweep(
     intervals: tuple[numpy.ndarray, numpy.ndarray, numpy.ndarray] | None,
     host_spans: Sequence[tuple[float, float, int]],

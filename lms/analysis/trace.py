@@ -26,10 +26,10 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lms.analysis.recorder import Recorder
-from lms.analysis.records import Trace
-from lms.config import AUTO_MIN_OFFLOAD_BYTES
-from lms.errors import LMSError, StepStateError, UnplannableStepError, step_failed
-from lms.runtime.keep import is_plain, leave_modules
+from lms.core.config import AUTO_MIN_OFFLOAD_BYTES
+from lms.core.errors import LMSError, StepStateError, UnplannableStepError, step_failed
+from lms.core.keep import is_plain, leave_modules
+from lms.core.records import Trace
 
 __all__ = ["trace_step", "default_step", "StepFn"]
 
@@ -182,6 +182,9 @@ def _fake_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
                 module._init_flat_weights()  # its list of weights held the fake ones
 
 
+# Long by design: one traced step, read top to bottom: checks, the fake model and batch, the
+# step under the recorder, and the errors it turns into typed ones; its parts share the fake
+# mode's context, which helpers would have to thread through.
 def trace_step(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
     batch: Any,

@@ -21,9 +21,9 @@ try:
 except ImportError:  # the older standalone package
     from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[assignment]
 
-from lms.config import LMSConfig
-from lms.plan import Plan
-from lms.runtime.keep import NoOffloadIn, no_offload_in, submodules
+from lms.core.config import LMSConfig
+from lms.core.keep import NoOffloadIn, no_offload_in, submodules
+from lms.core.plan import Plan
 from lms.runtime.session import LMS
 
 __all__ = ["LMSCallback"]

@@ -16,7 +16,7 @@ import functools
 import logging
 from typing import Any
 
-import lms
+from lms.runtime.session import LMS
 
 __all__ = ["offload_trainer"]
 
@@ -30,7 +30,7 @@ def offload_trainer(
     tune: bool = True,
     cache_dir: str | None = None,
     **settings: Any,
-) -> lms.LMS:
+) -> LMS:
     """Offload the saved activations of every training micro-batch of ``trainer``.
 
     Args:
@@ -58,7 +58,7 @@ def offload_trainer(
         )
     if getattr(step, "__lms__", None) is not None:
         raise ValueError("lms: this trainer's steps run under LMS already; wrap it once")
-    offload = lms.LMS(budget=budget, **settings)
+    offload = LMS(budget=budget, **settings)
     tuned = not tune
 
     @functools.wraps(step)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from lms.analysis.devices import DeviceSpec
-from lms.analysis.records import Trace
-from lms.errors import PlanInfeasibleError
-from lms.plan import Plan
+from lms.core.devices import DeviceSpec
+from lms.core.errors import PlanInfeasibleError
+from lms.core.plan import Plan
+from lms.core.records import Trace
 from lms.planning.greedy import plan_greedy
 from lms.planning.tflms import tune_tflms
 
@@ -66,7 +66,7 @@ def _fastest(
 ) -> Plan:
     greedy = plan_greedy(trace, spec, budget_bytes, half=half, free_held=free_held)
     candidates = [greedy, tune_tflms(trace, spec, budget_bytes, half=half, free_held=free_held)]
-    if greedy.stash:
+    if greedy.relieved_junctions:
         candidates.append(
             plan_greedy(trace, spec, budget_bytes, half=half, first="refetch", free_held=free_held)
         )

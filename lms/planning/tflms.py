@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 
-from lms.analysis.devices import DeviceSpec
-from lms.analysis.records import Trace
-from lms.plan import Plan
-from lms.planning.common import Checker, entry_distances
+from lms.core.devices import DeviceSpec
+from lms.core.plan import Plan
+from lms.core.records import Trace
+from lms.planning.candidates import Candidates
+from lms.planning.spans import entry_distances
 
 __all__ = ["tune_tflms"]
 
@@ -42,7 +43,7 @@ def tune_tflms(
     Raises:
         PlanInfeasibleError: when not even offloading everything fits.
     """
-    checker = Checker(trace, spec, budget_bytes, half, free_held=free_held)
+    checker = Candidates(trace, spec, budget_bytes, half, free_held=free_held)
     plain = checker.run(None)
     if checker.fits(plain):
         log.info("[LMS] [Simulator] LMS is not needed: the step fits in the budget")

@@ -12,8 +12,8 @@ import os
 import pickle
 from typing import Any
 
-from lms.analysis.records import Trace
 from lms.analysis.simulate import SimResult
+from lms.core.records import Trace
 
 __all__ = ["snapshot_dict", "save_snapshot"]
 

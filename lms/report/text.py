@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from lms._units import format_bytes
-from lms.analysis.devices import LINK_MARGIN, DeviceSpec
-from lms.analysis.recompute import recipes
-from lms.analysis.records import Trace
 from lms.analysis.simulate import SimResult
-from lms.plan import Plan
+from lms.core.devices import LINK_MARGIN, DeviceSpec
+from lms.core.plan import Plan
+from lms.core.recipes import recipes
+from lms.core.records import Trace
+from lms.core.units import format_bytes
 
 __all__ = ["info_lines"]
 
 
+# Long by design: the `[LMS]` lines of a report in the order they print, one block each.
 def info_lines(
     trace: Trace,
     spec: DeviceSpec,

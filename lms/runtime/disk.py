@@ -31,8 +31,8 @@ import weakref
 
 import torch
 
-from lms._units import format_bytes
-from lms.errors import SpillError
+from lms.core.errors import SpillError
+from lms.core.units import format_bytes
 
 __all__ = ["SpillStore", "check_spill_dir", "remove_stale_folders"]
 

@@ -3,7 +3,7 @@
 A step follows its plan (from `LMS.tune`, or given) by the order of its saves. A step that saves
 other tensors than the plan was made for diverges, and from there on follows the policy the
 runtime uses without a plan: after a recorded first step, the oldest saves go out while the
-saved bytes would take the step over its budget (`lms.runtime.policy`).
+saved bytes would take the step over its budget (`lms.core.policy`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from lms.config import LMSConfig
-from lms.plan import Plan
-from lms.runtime import policy
+from lms.core import policy
+from lms.core.config import LMSConfig
+from lms.core.plan import Plan
+from lms.core.sync import SyncMode
 from lms.runtime.step import Step
 from lms.runtime.store import Entry
 
@@ -171,7 +172,9 @@ class Follow:
         """How many offloaded entries to have on their way ahead of each read, and the bytes
         they may take with the rest (None: no limit); None: load each only when read."""
         following = self.following(step)
-        if self.config.sync_in or (following and self.plan and self.plan.sync_mode in (2, 3)):
+        if self.config.sync_in or (
+            following and self.plan and SyncMode(self.plan.sync_mode).on_demand
+        ):
             return None
         if following and self.plan is not None:
             # A plan's prefetches were checked by the simulator: follow them as they are.
@@ -206,5 +209,7 @@ class Follow:
         plan = self.plan
         if plan is None or self.calibrated is None or self.calibrated[0] is not plan:
             return False
-        moves = plan.offload or plan.recompute or plan.spill or plan.refetch or plan.stash
-        return not moves and not plan.stash_partials and self.config.swapout_threshold == -1
+        moves = (
+            plan.offload or plan.recompute or plan.spill or plan.refetch or plan.relieved_junctions
+        )
+        return not moves and not plan.relieved_partials and self.config.swapout_threshold == -1

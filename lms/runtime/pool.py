@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lms._units import BUCKET_STEP, bucket_bytes, format_bytes
+from lms.core.units import BUCKET_STEP, bucket_bytes, format_bytes
 from lms.runtime._cuda import pin_host, unpin_host
 
 __all__ = ["HostPool", "available_host_bytes", "bucket_bytes"]

@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_unflatten
 
-from lms.errors import LMSError, StepAbortedError
+from lms.core.errors import LMSError, StepAbortedError
 from lms.runtime.stats import LMSStats
 from lms.runtime.writelog import Recipe, Slot, WriteLog
 

@@ -1,7 +1,7 @@
 """Relieved gradient junctions at run time: partial gradients moved off the device as they
 arrive and brought back one at a time, summed in the order they arrived.
 
-`lms.runtime.junctions` finds the junctions in autograd's graph and hooks them (Note [Why
+`lms.core.junctions` finds the junctions in autograd's graph and hooks them (Note [Why
 junctions, and how the sum stays bit for bit]); `Relief` is what the hooks call.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from lms.errors import HostMemoryError
-from lms.plan import Plan
-from lms.runtime import junctions
+from lms.core import junctions
+from lms.core.errors import HostMemoryError
+from lms.core.plan import Plan
 from lms.runtime.stats import LMSStats
 from lms.runtime.step import Step
 from lms.runtime.store import Entry, Offloader
@@ -51,9 +51,9 @@ class Relief:
 
     def note(self, step: Step, plan: Plan | None, entry: Entry, tensor: torch.Tensor) -> None:
         """Remember the autograd edge of ``entry`` when ``plan`` relieves its junction."""
-        if plan is None or not plan.stash or step.diverged:
+        if plan is None or not plan.relieved_junctions or step.diverged:
             return
-        if entry.ordinal in plan.stash:
+        if entry.ordinal in plan.relieved_junctions:
             edge = junctions.edge_of(tensor)
             if edge is not None:
                 step.junction_edges.setdefault(edge, entry.ordinal)

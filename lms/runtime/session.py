@@ -17,13 +17,10 @@ from typing import Any
 
 import torch
 
-from lms._units import format_bytes
-from lms.config import LMSConfig
-from lms.plan import Plan
-from lms.runtime import policy
-from lms.runtime.follow import Follow
-from lms.runtime.junctions import in_backward
-from lms.runtime.keep import (
+from lms.core import policy
+from lms.core.config import LMSConfig
+from lms.core.junctions import in_backward
+from lms.core.keep import (
     Keep,
     distinct_storages,
     is_weight,
@@ -33,6 +30,10 @@ from lms.runtime.keep import (
     offload_blocked,
     wrapped_parts,
 )
+from lms.core.plan import Plan
+from lms.core.sync import SyncMode
+from lms.core.units import format_bytes
+from lms.runtime.follow import Follow
 from lms.runtime.pool import available_host_bytes
 from lms.runtime.recompute import Replays
 from lms.runtime.relief import Relief
@@ -45,6 +46,8 @@ __all__ = ["LMS", "no_offload", "no_offload_in"]
 log = logging.getLogger("lms.runtime")
 
 
+# Long by design: the context manager's public surface (settings, hooks, tune, close, stats)
+# in one class; the work is in `follow`, `step`, `store`, `recompute` and `relief`.
 class LMS:
     """Offload saved activations of a training step to host memory or disk, and bring them back.
 
@@ -89,7 +92,8 @@ class LMS:
             tier=self.config.tier,
             host_limit_bytes=int(host_limit),
             spill_dir=self.config.spill_dir,
-            sync_out=self.config.sync_out or (plan is not None and plan.sync_mode in (1, 3)),
+            sync_out=self.config.sync_out
+            or (plan is not None and SyncMode(plan.sync_mode).waits_out),
         )
         if self.config.tier == "disk" or (
             self.config.tier == "auto" and not torch.cuda.is_available()
@@ -216,7 +220,7 @@ class LMS:
             HostMemoryError: with tier "host", when the offloaded data cannot fit in host memory.
             SpillError: when the spill files the plan needs do not fit on the spill disk.
         """
-        from lms.tuning import tune_plan
+        from lms.orchestration.tuning import tune_plan
 
         self.plan = tune_plan(
             model,
@@ -231,7 +235,7 @@ class LMS:
             spill_dir=self.config.spill_dir,
             free_held=self.config.free_held,
         )
-        self._offloader.sync_out = self.config.sync_out or self.plan.sync_mode in (1, 3)
+        self._offloader.sync_out = self.config.sync_out or SyncMode(self.plan.sync_mode).waits_out
         self._keep.note_model(model)  # as in the trace
         return self.plan
 
@@ -294,7 +298,12 @@ class LMS:
                 if self._follow.past_calibration(step):
                     self._follow.diverge(step, step.level, "plan was made for")
             plan = self.plan
-            if plan is not None and plan.stash and not step.walked and tensor.grad_fn is not None:
+            if (
+                plan is not None
+                and plan.relieved_junctions
+                and not step.walked
+                and tensor.grad_fn is not None
+            ):
                 step.saved_nodes.append(tensor.grad_fn)
             return self._hold(step, tensor)
 

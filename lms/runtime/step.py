@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from lms.errors import SavedTensorChangedError
-from lms.plan import Plan
-from lms.runtime import junctions, policy
-from lms.runtime.keep import wrapped_parts
+from lms.core import junctions, policy
+from lms.core.errors import SavedTensorChangedError
+from lms.core.keep import without_node, wrapped_parts
+from lms.core.plan import Plan
 from lms.runtime.store import Entry
 
-__all__ = ["Handle", "Kept", "Step", "Wrapped", "storage_bytes", "without_node"]
+__all__ = ["Handle", "Kept", "Step", "Wrapped", "storage_bytes"]
 
 
 # Note: [Saved tensors changed in place]
@@ -27,24 +27,6 @@ __all__ = ["Handle", "Kept", "Step", "Wrapped", "storage_bytes", "without_node"]
 # watch: an alias of the saved tensor that shares its counter (as a view's is its base's) but
 # has an empty storage of its own, so that checking keeps no memory alive and sees changes made
 # before the tensor itself was freed.
-
-
-def without_node(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a pack hook may hold it: a detached alias unless it is a parameter (a leaf
-    that needs a gradient).
-
-    Note: [A kept save holds no reference cycle]
-    An op that saves its own output (softmax, tanh, exp) makes the output's node hold the packed
-    object: holding the output itself would close a cycle (output, node, packed, output) through
-    autograd's C++ node, which Python's collector cannot see, and an output that backward never
-    reaches (a metric computed with gradients on, an unused head) would never be freed. A
-    detached alias has the same storage and version counter and no node. A tensor that needs no
-    gradient (max pooling's indices, an RNN's workspace) is a leaf with no node, but its alias
-    lets the object die with the caller's last reference, as it does when the runtime moves it:
-    the trace watches those objects to learn what the step's code holds (Note [Tensors the
-    step's code holds]).
-    """
-    return tensor if tensor.is_leaf and tensor.requires_grad else tensor.detach()
 
 
 class Kept:

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from lms._units import format_bytes
-from lms.errors import HostMemoryError, StepAbortedError
+from lms.core.errors import HostMemoryError, StepAbortedError
+from lms.core.units import format_bytes
 from lms.runtime.disk import SpillStore
 from lms.runtime.pool import HostPool
 

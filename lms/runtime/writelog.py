@@ -1,11 +1,11 @@
 """Forward's history of writes, from which the runtime makes recipes for saved storages.
 
 While a plan recomputes anything, `WriteLog` (a dispatch mode) watches forward: for each storage
-that a recomputable op (`lms.analysis.recompute.RECOMPUTABLE_OPS`) allocates, it keeps the calls
+that a recomputable op (`lms.core.recipes.RECOMPUTABLE_OPS`) allocates, it keeps the calls
 that wrote it. When autograd saves such a storage, the session turns that history into a `Recipe`
 whose tensor arguments are the storage itself, parameters and buffers, other saved entries, or
 storages autograd did not save, made again by recipes of their own (Note [Remake what was never
-saved], `lms.analysis.recompute`). `lms.runtime.recompute` replays it in backward.
+saved], `lms.core.recipes`). `lms.runtime.recompute` replays it in backward.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lms.analysis.recompute import RECOMPUTABLE_OPS
-from lms.runtime.junctions import in_backward
+from lms.core.junctions import in_backward
+from lms.core.recipes import RECOMPUTABLE_OPS
 
 __all__ = ["WriteLog", "Call", "Recipe", "Slot"]
 

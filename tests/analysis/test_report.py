@@ -9,9 +9,10 @@ import pickletools
 import pytest
 import torch
 
-from lms.analysis import analyze, device_spec, runtime_plan, simulate, trace_step
+from lms.analysis import device_spec, runtime_plan, simulate, trace_step
 from lms.cli import main
-from lms.plan import Plan
+from lms.core.plan import Plan
+from lms.orchestration.analyze import analyze
 
 
 def deep():
@@ -200,7 +201,7 @@ def test_the_report_prices_its_plan_again_on_a_slower_link(report):
 
 def test_measured_compute_prices_ops_and_hides_copies(report):
     # What a convolution and an add reach here, and what that does to the prediction.
-    from lms.tuning import measure_compute
+    from lms.orchestration.rates import measure_compute
 
     with torch.autocast("cpu", dtype=torch.bfloat16):  # measured in fp32 all the same
         rates = measure_compute(torch.device("cpu"), at_least_s=0.01)
@@ -230,10 +231,10 @@ def test_measured_compute_prices_ops_and_hides_copies(report):
 
 
 def test_ops_that_make_storages_the_allocator_maps_anew_pay_their_first_writes():
-    """Note [Fresh pages on a CPU]: each op pays bytes over the fresh-memory rate for the
+    """Note [Fresh pages]: each op pays bytes over the fresh-memory rate for the
     storages of at least 32 MiB it makes, nothing for smaller ones; a GPU spec, nothing."""
-    from lms.analysis.devices import FRESH_PAGES_BYTES
     from lms.analysis.simulate import op_seconds
+    from lms.core.devices import FRESH_PAGES_BYTES
 
     trace = _wide_trace(torch.nn.ReLU())
     cpu = device_spec("cpu")
@@ -253,9 +254,9 @@ def test_ops_that_make_storages_the_allocator_maps_anew_pay_their_first_writes()
 
 
 def test_reads_back_into_fresh_pages_pay_their_faults():
-    """Note [Reads back into fresh pages]: a storage of at least 32 MiB read back from its spill
+    """Note [Fresh pages]: a storage of at least 32 MiB read back from its spill
     file costs the read and its first writes; a smaller one the read alone."""
-    from lms.analysis.devices import FRESH_PAGES_BYTES
+    from lms.core.devices import FRESH_PAGES_BYTES
 
     trace = _wide_trace(torch.nn.Tanh(), torch.nn.Tanh())
     entries = trace.entries()
@@ -439,6 +440,6 @@ def test_unknown_model_is_a_clear_error(capsys):
     assert main(["analyze", "--model", "vgg99", "--image-size", "64"]) == 2
     assert "not in the zoo" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not in the zoo"):
-        from lms.zoo import zoo_model
+        from lms.harness.zoo import zoo_model
 
         zoo_model("vgg99")

@@ -10,8 +10,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import lms
 from lms.analysis import simulate, trace_step
-from lms.analysis.devices import device_spec
-from lms.planning.common import Checker
+from lms.core.devices import device_spec
+from lms.planning.candidates import Candidates
 from tests.conftest import assert_bitwise, run_step
 
 
@@ -49,7 +49,7 @@ def test_no_lms_peak_within_5pct_of_memtracker(build, shape):
 
 
 def test_trace_uses_no_real_memory():
-    from lms.bench.memory import PeakMemory
+    from lms.harness.memory import PeakMemory
 
     with PeakMemory() as memory:
         trace = trace_step(resnet18, lambda: [torch.randn(24, 3, 1024, 1024)], device="cpu")
@@ -139,7 +139,7 @@ def test_fused_lstm_workspace_keeps_its_place_among_saved_tensors(tmp_path, capl
     # Only autograd holds the workspaces (Note [Tensors the step's code holds]): the plan that
     # moves every saved storage moves them, and names each by the runtime's ordinal.
     ref = run_step(model, [x])
-    plan = Checker(trace, device_spec("cpu"), 1).plan(range(len(traced)), source="minimum")
+    plan = Candidates(trace, device_spec("cpu"), 1).plan(range(len(traced)), source="minimum")
     workspaces = [i for i, (s, r) in enumerate(zip(traced, real, strict=True)) if s != r]
     assert set(workspaces) <= set(plan.offload) and max(plan.offload) > min(workspaces)
     moved = lms.LMS(plan=plan, min_offload_bytes=0, spill_dir=str(tmp_path), tier="disk")
@@ -250,7 +250,7 @@ def test_optimizer_state_is_counted():
 def test_backward_ops_are_named_by_the_module_that_made_their_node():
     # The embedding's input needs no gradient, so module hooks never see its backward; the
     # trace names it by the autograd node that runs it.
-    from lms.zoo import TinyLM, _lm_step
+    from lms.harness.zoo import TinyLM, _lm_step
 
     tokens = torch.randint(0, 100, (2, 16))
     trace = trace_step(
@@ -275,7 +275,9 @@ def test_a_step_whose_shapes_depend_on_the_data_cannot_be_traced():
             y = self.linear(x)
             return y[y > 0]
 
-    with pytest.raises(lms.errors.StepFailedError, match="output depends on the data") as raised:
+    with pytest.raises(
+        lms.core.errors.StepFailedError, match="output depends on the data"
+    ) as raised:
         trace_step(Masked(), [torch.randn(4, 8)])
     assert "DynamicOutputShapeException: aten.nonzero.default" in str(raised.value)
 

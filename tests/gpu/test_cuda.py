@@ -154,18 +154,18 @@ def test_max_memory_allocated_is_reduced():
 def test_the_link_probe_leaves_no_host_memory_pinned(monkeypatch):
     """The probe pins its buffer as the runtime does and unpins it after (Note [Pinned to the
     byte]), where PyTorch's pinned allocator would keep it for the life of the process."""
-    from lms import tuning
+    from lms.orchestration import rates
 
     buffers = []
-    monkeypatch.setattr(tuning, "pin_host", lambda n: buffers.append(pin_host(n)) or buffers[-1])
-    d2h, h2d = tuning.measure_link_gbps(torch.device("cuda"), nbytes=64 * 1024**2)
+    monkeypatch.setattr(rates, "pin_host", lambda n: buffers.append(pin_host(n)) or buffers[-1])
+    d2h, h2d = rates.measure_link_gbps(torch.device("cuda"), nbytes=64 * 1024**2)
     assert d2h > 1 and h2d > 1, (d2h, h2d)
     assert len(buffers) == 1 and not buffers[0].is_pinned()
 
 
 def test_local_spec_prices_compute_at_measured_rates():
-    from lms.analysis.devices import DEVICES
-    from lms.tuning import local_device_spec
+    from lms.core.devices import DEVICES
+    from lms.orchestration.local import local_device_spec
 
     spec = local_device_spec(torch.device("cuda"))
     table = [s for s in DEVICES.values() if s.name == spec.name]
@@ -177,7 +177,7 @@ def test_local_spec_prices_compute_at_measured_rates():
 
 def test_simulated_peak_within_5pct_of_cuda():
     from lms.analysis import simulate, trace_step
-    from lms.tuning import local_device_spec
+    from lms.orchestration.local import local_device_spec
 
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(1024, 1024), nn.GELU())])
@@ -245,7 +245,7 @@ def test_recompute_plan_bitwise_on_cuda(deterministic_cudnn, chains):
 
 def test_planned_spill_goes_to_disk_and_the_rest_to_host(deterministic_cudnn, spill_dir):
     from lms.analysis import trace_step
-    from lms.plan import Plan
+    from lms.core.plan import Plan
     from tests.planning.test_recompute import _resnet, _step
 
     batch = [torch.randn(2, 3, 64, 64, device="cuda")]
@@ -278,7 +278,7 @@ def test_relieved_junctions_bitwise_and_lower_backward_peak_on_cuda(
     import dataclasses
 
     from lms.analysis import simulate, trace_step
-    from lms.analysis.devices import device_spec
+    from lms.core.devices import device_spec
     from tests.runtime import test_junctions
     from tests.runtime.test_junctions import _everything_out, step
 
@@ -427,8 +427,8 @@ def test_free_held_is_bitwise_on_cuda_and_leaves_the_batch_whole(
 def test_train_writes_the_allocator_history_of_its_steps_also_when_one_fails(tmp_path):
     import pickle
 
-    from lms.errors import StepFailedError
-    from lms.train import train
+    from lms.core.errors import StepFailedError
+    from lms.harness.train import train
 
     ran, failed = tmp_path / "ran.pickle", tmp_path / "failed.pickle"
     train("resnet50", size=64, batch_size=2, steps=2, method="none", memory_snapshot=str(ran))
@@ -449,8 +449,8 @@ def test_ops_timed_on_the_card_price_a_resnet_step_near_its_run():
     import torchvision
 
     from lms.analysis import simulate, trace_step
-    from lms.timing import time_ops
-    from lms.tuning import local_device_spec
+    from lms.orchestration.local import local_device_spec
+    from lms.orchestration.timing import time_ops
 
     device = torch.device("cuda")
     model = torchvision.models.resnet18(num_classes=10).to(device)

@@ -9,10 +9,10 @@ import torch.nn as nn
 
 import lms
 from lms.analysis import device_spec, simulate, trace_step
-from lms.plan import Plan
+from lms.core.plan import Plan
 from lms.planning import plan_auto, plan_greedy, tune_tflms
-from lms.planning.common import Checker
-from lms.planning.greedy import _kinds
+from lms.planning.candidates import Candidates
+from lms.planning.greedy.restarts import kinds as _kinds
 from tests.conftest import assert_bitwise
 
 
@@ -133,7 +133,7 @@ def test_the_checker_simulates_each_plan_once():
     trace = trace_of(Skips)
     spec = small_spec()
     budget = int(simulate(trace, None, spec).peak_bytes * 0.75)
-    checker = Checker(trace, spec, budget)
+    checker = Candidates(trace, spec, budget)
     plan = checker.plan(range(2), source="test")
     first = checker.run(plan)
     again = checker.run(checker.plan(range(2), source="test"))  # equal, not the same object
@@ -337,7 +337,7 @@ def _square_step(model, batch):
 def test_transformer_step_follows_its_plan(tmp_path, caplog, frozen):
     # Attention reads out_proj.weight without calling its module, and saves its transpose (a
     # view of a parameter); the runtime must keep it, as the trace does, or the step diverges.
-    from lms.zoo import TinyLM, _lm_step
+    from lms.harness.zoo import TinyLM, _lm_step
 
     caplog.set_level("WARNING", logger="lms")
     torch.manual_seed(0)

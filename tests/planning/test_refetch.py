@@ -8,10 +8,10 @@ import torch.nn as nn
 
 import lms
 from lms.analysis import simulate, trace_step
-from lms.analysis.recompute import recipes
-from lms.plan import Plan
+from lms.core.plan import Plan
+from lms.core.recipes import recipes
 from lms.planning import plan_auto, plan_greedy
-from lms.planning.common import Checker
+from lms.planning.candidates import Candidates
 from tests.conftest import assert_bitwise, run_step
 from tests.planning.test_planners import small_spec
 
@@ -72,7 +72,7 @@ def test_planner_reads_back_per_use_only_when_holding_cannot_fit():
     full = _trace()
     assert full.junctions
     plan = plan_greedy(full, small_spec(), simulate(full, _plans(full)[1], small_spec()).peak_bytes)
-    assert plan.stash and not plan.refetch
+    assert plan.relieved_junctions and not plan.refetch
     trace = dataclasses.replace(full, junctions=())
     spec = small_spec()
     held, per_use, _ = _plans(trace)
@@ -82,10 +82,10 @@ def test_planner_reads_back_per_use_only_when_holding_cannot_fit():
     assert plan.refetch and simulate(trace, plan, spec).peak_bytes <= low
     roomy = plan_greedy(trace, spec, simulate(trace, held, spec).peak_bytes)
     assert not roomy.refetch
-    checker = Checker(trace, spec, low - 1)
+    checker = Candidates(trace, spec, low - 1)
     try:
         checker.require_feasible()
-    except lms.errors.PlanInfeasibleError as error:
+    except lms.core.errors.PlanInfeasibleError as error:
         assert error.min_budget_bytes == low
     else:
         raise AssertionError("a budget below the per-use minimum must be infeasible")
@@ -113,16 +113,16 @@ def test_auto_planner_searches_from_either_remedy_and_keeps_the_faster():
     assert junction.partials == 3
     spec = small_spec()
     budget = simulate(trace, _plans(trace)[1], spec).peak_bytes  # reading back per use fits
-    stashing = plan_greedy(trace, spec, budget)
+    relieving = plan_greedy(trace, spec, budget)
     reading = plan_greedy(trace, spec, budget, first="refetch")
-    assert stashing.stash and not stashing.refetch
-    assert reading.refetch and not reading.stash
-    for plan in (stashing, reading):
+    assert relieving.relieved_junctions and not relieving.refetch
+    assert reading.refetch and not reading.relieved_junctions
+    for plan in (relieving, reading):
         assert simulate(trace, plan, spec).peak_bytes <= budget
-    assert reading.predicted_overhead < stashing.predicted_overhead
+    assert reading.predicted_overhead < relieving.predicted_overhead
     assert plan_auto(trace, spec, budget).predicted_overhead == reading.predicted_overhead
     with pytest.raises(ValueError, match="first"):
-        Checker(trace, spec, budget).require_feasible("both")
+        Candidates(trace, spec, budget).require_feasible("both")
 
 
 def test_runtime_reads_back_per_use_bitwise(spill_dir):

@@ -7,11 +7,12 @@ import torch
 
 import lms
 from lms.analysis import simulate, trace_step
-from lms.errors import HostMemoryError, SpillError
-from lms.plan import Plan
+from lms.core.errors import HostMemoryError, SpillError
+from lms.core.plan import Plan
+from lms.orchestration.tuning import check_offload_room
 from lms.planning import plan_greedy
-from lms.planning.common import Checker, place_spill
-from lms.tuning import check_offload_room
+from lms.planning.candidates import Candidates
+from lms.planning.spans import place_spill
 from tests.conftest import assert_bitwise, run_step
 from tests.planning.test_planners import Chain, small_spec, trace_of
 
@@ -28,7 +29,7 @@ def _short_of_host():
     trace = trace_of(Chain)
     spec = small_spec()
     plain = simulate(trace, None, spec)
-    _, floor = Checker(trace, spec, plain.peak_bytes).require_feasible()
+    _, floor = Candidates(trace, spec, plain.peak_bytes).require_feasible()
     roomy = plan_greedy(trace, spec, floor.peak_bytes)
     held = simulate(trace, roomy, spec)
     assert held.host_peak_bytes > 0 and not roomy.spill
@@ -47,7 +48,7 @@ def test_planner_spills_what_host_memory_cannot_hold():
     # Spilled copies go through a blocking host copy each way: never faster than host memory.
     assert result.step_s >= held.step_s
     assert "spill files" in " ".join(
-        lms.analysis.analyze(
+        lms.orchestration.analyze(
             Chain, lambda: [torch.randn(2048, 256)], device_spec=short, gpu_memory=budget
         ).lines()
     )

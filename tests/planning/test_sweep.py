@@ -46,7 +46,7 @@ def test_sweep_finds_both_limits_and_writes_json_and_plot(tmp_path):
 
 
 def test_a_sweep_that_could_not_grow_or_fit_is_refused_before_tracing():
-    from lms.sweep import sweep
+    from lms.harness.sweep import sweep
 
     for arguments, message in (
         (dict(gpu_memory="1GiB", step=0), "step=0 must be at least 1"),

@@ -331,15 +331,15 @@ def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(where, spil
 
     import torch._dynamo
 
-    from lms import tuning
-    from lms.analysis.devices import DEVICES
+    from lms.core.devices import DEVICES
+    from lms.orchestration import local
 
     # With the write log free (Note [The write log's own cost]) and copies slower than this
     # machine's spill files may measure, the eager model's plan recomputes
     monkeypatch.setitem(DEVICES, "cpu", dataclasses.replace(DEVICES["cpu"], write_log_op_s=0))
-    measured = tuning._local_cpu_spec
+    measured = local._local_cpu_spec
     monkeypatch.setattr(
-        tuning,
+        local,
         "_local_cpu_spec",
         lambda: dataclasses.replace(measured(), d2h_gbps=0.5, h2d_gbps=0.5, fresh_read_gbps=None),
     )

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import lms
-from lms._units import format_bytes
 from lms.analysis import trace_step
+from lms.core.units import format_bytes
+from lms.orchestration.local import local_device_spec
 from lms.planning import plan_auto
-from lms.planning.common import Checker, emptiable
+from lms.planning.candidates import Candidates
+from lms.planning.spans import emptiable
 from lms.runtime.disk import SpillStore
-from lms.tuning import local_device_spec
 from tests.conftest import assert_bitwise, hooks_are_gone, run_step, spill_files
 from tests.runtime.test_memory import COMMON
 
@@ -73,7 +74,7 @@ def floors(model, x):
     found = []
     for free_held in (False, True):
         with pytest.raises(lms.PlanInfeasibleError) as info:
-            Checker(trace, spec, 1, free_held=free_held).require_feasible()
+            Candidates(trace, spec, 1, free_held=free_held).require_feasible()
         found.append(info.value.min_budget_bytes)
     return trace, found
 
@@ -88,11 +89,11 @@ def test_the_code_holds_the_batch_and_the_stems_output_past_their_last_reads():
     assert held < plain
     spec = local_device_spec(torch.device("cpu"))
     with pytest.raises(lms.PlanInfeasibleError, match="set free_held") as info:
-        Checker(trace, spec, held).require_feasible()  # the refusal says free_held would fit
+        Candidates(trace, spec, held).require_feasible()  # the refusal says free_held would fit
     assert info.value.min_budget_bytes == plain
     assert "with it the step fits this budget" in str(info.value)
     with pytest.raises(lms.PlanInfeasibleError) as info:
-        Checker(trace, spec, 1).require_feasible()
+        Candidates(trace, spec, 1).require_feasible()
     assert f"with it the step needs {format_bytes(held)}" in str(info.value)
 
 

@@ -14,11 +14,11 @@ import torch.nn as nn
 
 import lms
 from lms.analysis import simulate, trace_step
-from lms.errors import HostMemoryError, PlanInfeasibleError
-from lms.plan import Plan
+from lms.core.errors import HostMemoryError, PlanInfeasibleError
+from lms.core.plan import Plan
+from lms.orchestration.local import local_device_spec
 from lms.planning import plan_greedy
-from lms.planning.common import Checker
-from lms.tuning import local_device_spec
+from lms.planning.candidates import Candidates
 from tests.conftest import assert_bitwise, run_step, spill_files
 
 MODEL = textwrap.dedent(
@@ -77,7 +77,7 @@ def _trace(size=256):
     )
 
 
-def _everything_out(trace, stash=()):
+def _everything_out(trace, relieved=()):
     n = len(trace.entries())
     meeting = trace.junction_ordinals()
     return Plan(
@@ -86,8 +86,8 @@ def _everything_out(trace, stash=()):
         num_entries=n,
         swapin_ahead=1,
         sync_mode=3,
-        stash=tuple(stash),
-        stash_partials=tuple(meeting[ordinal].partials for ordinal in stash),
+        relieved_junctions=tuple(relieved),
+        relieved_partials=tuple(meeting[ordinal].partials for ordinal in relieved),
     )
 
 
@@ -123,11 +123,11 @@ def test_planner_relieves_junctions_only_when_nothing_else_fits():
     low = simulate(trace, _everything_out(trace, trace.junction_ordinals()), spec).peak_bytes
     high = simulate(trace, _everything_out(trace), spec).peak_bytes
     plan = plan_greedy(trace, spec, low)
-    assert plan.stash
+    assert plan.relieved_junctions
     assert simulate(trace, plan, spec).peak_bytes <= low
-    assert not plan_greedy(trace, spec, high).stash
+    assert not plan_greedy(trace, spec, high).relieved_junctions
     with pytest.raises(PlanInfeasibleError) as caught:
-        Checker(trace, spec, low - 1).require_feasible()
+        Candidates(trace, spec, low - 1).require_feasible()
     assert caught.value.min_budget_bytes <= low
     assert Plan.from_json(plan.to_json()) == plan
 
@@ -161,7 +161,7 @@ def test_trace_finds_a_junction_where_three_partials_meet():
     assert relieved.relieved_bytes == 3 * activation
     # A plan counting other than three partials there relieves nothing.
     miscounted = dataclasses.replace(
-        _everything_out(trace, trace.junction_ordinals()), stash_partials=(2,)
+        _everything_out(trace, trace.junction_ordinals()), relieved_partials=(2,)
     )
     assert simulate(trace, miscounted, spec).relieved_junctions == 0
 
@@ -238,13 +238,13 @@ def test_the_stand_in_for_the_last_partial_is_never_added(spill_dir):
 def test_a_partial_that_cannot_go_out_hands_autograd_the_sum_so_far(spill_dir, monkeypatch):
     trace = _fan_trace(branches=4)
     n = len(trace.entries())
-    stash = tuple(trace.junction_ordinals())
+    relieved = tuple(trace.junction_ordinals())
     plan = Plan(
         fingerprint=trace.fingerprint(),
         offload=(),
         num_entries=n,
-        stash=stash,
-        stash_partials=(4,),
+        relieved_junctions=relieved,
+        relieved_partials=(4,),
     )
     torch.manual_seed(0)
     model, inputs = Fan(branches=4), (torch.randn(1, 3, 256, 256),)
@@ -293,9 +293,9 @@ SCRIPT = MODEL + textwrap.dedent(
     """
     import json, sys, lms
     from lms.analysis import simulate, trace_step
-    from lms.bench.memory import PeakMemory
-    from lms.plan import Plan
-    from lms.tuning import local_device_spec
+    from lms.harness.memory import PeakMemory
+    from lms.core.plan import Plan
+    from lms.orchestration.local import local_device_spec
 
     torch.manual_seed(0)
     fmt = torch.channels_last  # the layout the CPU convolutions work in: no hidden copies
@@ -305,8 +305,8 @@ SCRIPT = MODEL + textwrap.dedent(
     n = len(trace.entries())
     meeting = trace.junction_ordinals() if sys.argv[2] == "relieve" else {}
     plan = Plan(fingerprint=trace.fingerprint(), offload=tuple(range(n)), num_entries=n,
-                swapin_ahead=1, sync_mode=3, stash=tuple(meeting),
-                stash_partials=tuple(j.partials for j in meeting.values()))
+                swapin_ahead=1, sync_mode=3, relieved_junctions=tuple(meeting),
+                relieved_partials=tuple(j.partials for j in meeting.values()))
     sim = simulate(trace, plan, local_device_spec(torch.device("cpu")))
     at_start, peak = sim.peak_after(sim.backward_start_s)
     offload = lms.LMS(plan=plan, tier="disk", spill_dir=sys.argv[1])
@@ -414,8 +414,8 @@ def test_trace_leaves_out_a_junction_the_runtime_cannot_count(spill_dir):
         fingerprint=trace.fingerprint(),
         offload=tuple(range(n)),
         num_entries=n,
-        stash=named,
-        stash_partials=(3,) * len(named),
+        relieved_junctions=named,
+        relieved_partials=(3,) * len(named),
     )
     torch.manual_seed(0)
     model = SumApart()
@@ -441,8 +441,8 @@ def test_runtime_finds_consumers_in_branches_backward_runs_apart(spill_dir, thir
         fingerprint=trace.fingerprint(),
         offload=tuple(range(n)),
         num_entries=n,
-        stash=tuple(meeting),
-        stash_partials=tuple(j.partials for j in meeting.values()),
+        relieved_junctions=tuple(meeting),
+        relieved_partials=tuple(j.partials for j in meeting.values()),
     )
     torch.manual_seed(0)
     model = SplitLoss(third)

@@ -9,12 +9,12 @@ import torch
 import torch.nn as nn
 
 import lms
-from lms._units import format_bytes
 from lms.analysis import device_spec, simulate, trace_step
-from lms.plan import Plan
+from lms.core.keep import offload_blocked, submodules
+from lms.core.plan import Plan
+from lms.core.units import format_bytes
 from lms.planning import plan_auto
-from lms.planning.common import Checker
-from lms.runtime.keep import offload_blocked, submodules
+from lms.planning.candidates import Candidates
 from tests.conftest import assert_bitwise, midway_budget, run_step
 
 
@@ -131,7 +131,7 @@ def test_moving_a_storage_a_kept_save_holds_frees_nothing_in_the_simulator():
     # so no plan moves them, nor the input (held by the caller since before the step)
     inputs = {i for storage, i in ordinal.items() if trace.storages[storage].alloc_op < 0}
     assert inputs
-    checker = Checker(trace, device_spec("cpu"), budget_bytes=2**40)
+    checker = Candidates(trace, device_spec("cpu"), budget_bytes=2**40)
     asked = checker.plan(everything, recompute=everything, source="test")
     assert checker.pinned == held | inputs
     assert set(asked.recompute) == everything - held - inputs and not asked.offload

@@ -8,13 +8,14 @@ import sys
 import textwrap
 
 # A channels-last conv stack (one layer: conv, then each of `layer`), its step, and the peak growth
-# of the C heap in use over each of three steps (or ``steps``) under an `LMS` (`lms.bench.memory`).
+# of the C heap in use over each of three steps (or ``steps``) under an `LMS`
+# (`lms.harness.memory`).
 COMMON = textwrap.dedent(
     """
     import dataclasses, json, sys, torch, lms
-    from lms.bench.memory import PeakMemory
+    from lms.harness.memory import PeakMemory
     from lms.analysis import simulate, trace_step
-    from lms.tuning import local_device_spec
+    from lms.orchestration.local import local_device_spec
     torch.manual_seed(0)
 
     def conv_stack(size, layer):
@@ -59,9 +60,9 @@ SCRIPT = COMMON + textwrap.dedent(
 
 CHAINS = COMMON + textwrap.dedent(
     """
-    from lms.analysis.recompute import recipes
+    from lms.core.recipes import recipes
     from lms.planning import plan_greedy
-    from lms.planning.common import Checker
+    from lms.planning.candidates import Candidates
     model, x = conv_stack(640, lambda: [torch.nn.BatchNorm2d(32), torch.nn.ReLU(inplace=True)])
     trace = trace_step(model, [x], step, device="cpu")
     # a device whose convolutions are fast next to its copies: replaying beats moving, whatever
@@ -75,7 +76,7 @@ CHAINS = COMMON + textwrap.dedent(
     )
     plain = simulate(trace, None, spec)
     try:
-        Checker(trace, spec, 1).require_feasible()
+        Candidates(trace, spec, 1).require_feasible()
     except lms.PlanInfeasibleError as error:
         floor = error.min_budget_bytes
     plan = plan_greedy(trace, spec, floor + (plain.peak_bytes - floor) // 10)
@@ -180,7 +181,7 @@ PLANLESS = COMMON + textwrap.dedent(
 GRAPH = COMMON + textwrap.dedent(
     """
     import gc
-    from lms.bench.memory import heap_in_use_bytes
+    from lms.harness.memory import heap_in_use_bytes
     # 100 small layers: 303 forward ops, 4 KiB tensors, so that the autograd graph's share of
     # the heap is as large as the tensors' (Note [The autograd graph on a CPU's heap]).
     layers = []

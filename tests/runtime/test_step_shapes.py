@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import lms
 from lms.analysis import device_spec, simulate, trace_step
-from lms.planning.common import Checker
+from lms.planning.candidates import Candidates
 from tests.conftest import assert_bitwise, midway_budget
 
 
@@ -106,7 +106,7 @@ def test_a_reentrant_checkpoint_names_its_recomputation_and_its_least_budget(tmp
     # the step's own peak, not the higher one with everything moved.
     spec = device_spec("cpu")
     plain = simulate(trace, None, spec).peak_bytes
-    checker = Checker(trace, spec, budget_bytes=plain // 2)
+    checker = Candidates(trace, spec, budget_bytes=plain // 2)
     everything = checker.run(checker.plan(range(checker.num_entries), ahead=1, source="test"))
     assert everything.peak_bytes > plain
     with pytest.raises(lms.PlanInfeasibleError, match="needs as it is") as caught:

@@ -7,6 +7,8 @@ import json
 import os
 from typing import Any
 
+from lms.core.sync import SyncMode
+
 __all__ = ["Plan"]
 
 
@@ -28,12 +30,13 @@ class Plan:
     """Ordinals that backward recomputes from their forward ops instead of storing."""
     spill: tuple[int, ...] = ()
     """Offloaded ordinals that go to spill files rather than host memory (host memory short)."""
-    stash: tuple[int, ...] = ()
+    relieved_junctions: tuple[int, ...] = ()
     """Ordinals whose gradient junction is relieved: where the tensor feeds several operations,
     each partial gradient that backward computes but the last waits off the device until they
-    are summed (see `lms.runtime.junctions`)."""
-    stash_partials: tuple[int, ...] = ()
-    """For each ordinal of `stash`, how many partial gradients meet at its junction (two each
+    are summed (see `lms.core.junctions`)."""
+    relieved_partials: tuple[int, ...] = ()
+    """For each ordinal of `relieved_junctions`, how many partial gradients meet at its
+    junction (two each
     when empty); the runtime relieves a junction only where it counts as many."""
     free_held: tuple[int, ...] = ()
     """Offloaded ordinals whose device storage is emptied once forward has read it for the last
@@ -44,8 +47,8 @@ class Plan:
     from which the runtime empties it, once its copy out has finished."""
     swapin_ahead: int = 2
     """Offloaded tensors brought back ahead of backward's use."""
-    sync_mode: int = 0
-    """TFLMS sync mode (0-3)."""
+    sync_mode: int = SyncMode.ASYNC
+    """How the step waits for its copies: a `SyncMode` (TFLMS's 0 to 3)."""
     budget_bytes: int | None = None
     """The device budget the plan was made for."""
     predicted_peak_bytes: int = 0
@@ -61,6 +64,7 @@ class Plan:
     order])."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sync_mode", SyncMode(self.sync_mode))
         bad = [i for i in self.offload if not 0 <= i < self.num_entries]
         if bad:
             raise ValueError(
@@ -78,17 +82,20 @@ class Plan:
                 f"lms: Plan.spill names ordinals {loose[:5]} that Plan.offload does not; "
                 "only offloaded tensors can go to disk"
             )
-        outside = [i for i in self.stash if not 0 <= i < self.num_entries]
+        outside = [i for i in self.relieved_junctions if not 0 <= i < self.num_entries]
         if outside:
             raise ValueError(
-                f"lms: Plan.stash names ordinals {outside[:5]} outside 0..{self.num_entries - 1}"
+                f"lms: Plan.relieved_junctions names ordinals {outside[:5]} outside "
+                f"0..{self.num_entries - 1}"
             )
-        if self.stash_partials and (
-            len(self.stash_partials) != len(self.stash) or min(self.stash_partials) < 2
+        if self.relieved_partials and (
+            len(self.relieved_partials) != len(self.relieved_junctions)
+            or min(self.relieved_partials) < 2
         ):
             raise ValueError(
-                f"lms: Plan.stash_partials {list(self.stash_partials)[:5]} must give a count of"
-                f" two or more for each of the {len(self.stash)} ordinals of Plan.stash"
+                f"lms: Plan.relieved_partials {list(self.relieved_partials)[:5]} must give a "
+                f"count of two or more for each of the {len(self.relieved_junctions)} ordinals of "
+                "Plan.relieved_junctions"
             )
         stray = sorted(set(self.refetch) - set(self.offload))
         if stray:
@@ -120,7 +127,13 @@ class Plan:
 
     def junction_partials(self) -> dict[int, int]:
         """How many partial gradients meet at each relieved junction, by ordinal."""
-        return dict(zip(self.stash, self.stash_partials or (2,) * len(self.stash), strict=True))
+        return dict(
+            zip(
+                self.relieved_junctions,
+                self.relieved_partials or (2,) * len(self.relieved_junctions),
+                strict=True,
+            )
+        )
 
     def to_json(self) -> str:
         """The plan as JSON text."""
@@ -134,8 +147,11 @@ class Plan:
         data["refetch"] = tuple(data.get("refetch", ()))
         data["recompute"] = tuple(data.get("recompute", ()))
         data["spill"] = tuple(data.get("spill", ()))
-        data["stash"] = tuple(data.get("stash", ()))
-        data["stash_partials"] = tuple(data.get("stash_partials", ()))
+        # Plans saved before the fields were named for what they hold.
+        data.setdefault("relieved_junctions", data.pop("stash", ()))
+        data.setdefault("relieved_partials", data.pop("stash_partials", ()))
+        data["relieved_junctions"] = tuple(data["relieved_junctions"])
+        data["relieved_partials"] = tuple(data.get("relieved_partials", ()))
         data["free_held"] = tuple(data.get("free_held", ()))
         data["free_held_at"] = tuple(data.get("free_held_at", ()))
         data["use_order"] = tuple(data.get("use_order", ()))

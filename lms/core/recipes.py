@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lms.analysis.records import Trace
+from lms.core.records import Trace
 
 __all__ = ["RECOMPUTABLE_OPS", "Recipe", "recipes"]
 
@@ -109,6 +109,8 @@ def recipes(trace: Trace) -> dict[int, Recipe]:
     return found  # type: ignore[no-any-return]
 
 
+# Long by design: one walk over the trace's ops in order, whose state (what each storage's
+# recipe is so far) every branch reads and writes.
 def _find(trace: Trace) -> dict[int, Recipe]:
     # Note: [Compiled models are not replayed]
     # The runtime learns what forward wrote, to replay it, through a dispatch mode, and

@@ -22,13 +22,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from lms._units import check_counts, format_bytes, format_rate, parse_bytes
+from lms.core.units import check_counts, format_bytes, format_rate, parse_bytes
 
 __all__ = ["bench", "plot_bench", "child_main", "BENCH_METHODS"]
 
 log = logging.getLogger("lms.bench")
 
-_CHILD = "from lms.bench.compare import child_main; child_main()"
+_CHILD = "from lms.harness.bench import child_main; child_main()"
 BENCH_METHODS = ("none", "lms", "lms_free_held", "save_on_cpu", "checkpoint")
 """`lms train`'s methods, and "lms_free_held": LMS whose plans may empty what the step's code
 holds (`lms.LMSConfig.free_held`)."""
@@ -38,7 +38,7 @@ def child_main() -> None:
     """Run one measurement from a JSON argument; print its JSON result (or the failure)."""
     import torch
 
-    from lms.train import train
+    from lms.harness.train import train
 
     args = json.loads(sys.argv[1])
     method = args["method"]
@@ -87,7 +87,7 @@ def bench(
             result's ``not_run``.
         on_point: called with the summary so far after each point (to keep partial results).
     """
-    from lms.zoo import zoo_model
+    from lms.harness.zoo import zoo_model
 
     zoo_model(model).check_batch(batch_size)  # before any run starts
     check_counts(steps=steps, repeats=repeats)

@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from lms._units import parse_bytes
-from lms.analysis.devices import LINK_MARGIN, DeviceSpec, device_spec
-from lms.analysis.records import Trace
 from lms.analysis.simulate import SimResult, runtime_plan, simulate
 from lms.analysis.trace import StepFn, trace_step
-from lms.config import AUTO_MIN_OFFLOAD_BYTES
-from lms.errors import PlanInfeasibleError
-from lms.plan import Plan
+from lms.core.config import AUTO_MIN_OFFLOAD_BYTES
+from lms.core.devices import LINK_MARGIN, DeviceSpec, device_spec
+from lms.core.errors import PlanInfeasibleError
+from lms.core.plan import Plan
+from lms.core.records import Trace
+from lms.core.units import parse_bytes
 
 __all__ = ["analyze", "Report"]
 
@@ -154,8 +154,9 @@ def analyze(
         batch: the input tensors (as `trace_step` takes them), or a function that makes them.
         step_fn: ``step_fn(model, batch)`` runs forward, loss and backward.
         gpu_memory: device memory the step may use (default: the spec's whole memory).
-        device_spec: a `DeviceSpec` or its name (see `lms.analysis.devices.DEVICES`); "local"
-            for this machine's device with its rates measured (`lms.tuning.local_device_spec`).
+        device_spec: a `DeviceSpec` or its name (see `lms.core.devices.DEVICES`); "local"
+            for this machine's device with its rates measured
+            (`lms.orchestration.local.local_device_spec`).
         host_memory: host memory for offloaded data; beyond it the plan spills to disk (default:
             the spec's, unlimited for the named specs).
         autocast: trace under autocast to this dtype.
@@ -190,7 +191,7 @@ def analyze(
     )
     trace_seconds = time.perf_counter() - started
     if device_spec == "local":
-        from lms.tuning import with_local_timings
+        from lms.orchestration.local import with_local_timings
 
         spec = with_local_timings(spec, trace, torch.device(trace.device), budget)
     return report_for(
@@ -238,11 +239,11 @@ def report_for(
                 plan = plan_auto(trace, spec, budget, half=half, free_held=free_held)
         except PlanInfeasibleError as error:
             log.info("[LMS] %s", str(error).removeprefix("lms: "))
-            from lms.planning.common import Checker
+            from lms.planning.candidates import Candidates
 
             # everything a plan may move, as the smallest-memory plan moves it
             everything = range(len(trace.entries()))
-            checker = Checker(trace, spec, budget, half=half, free_held=free_held)
+            checker = Candidates(trace, spec, budget, half=half, free_held=free_held)
             plan = checker.plan(everything, ahead=1, sync_mode=3, source="infeasible")
         planned = simulate(trace, plan, spec, half=half)
         # Note [The first step prefetches in the traced order]: a plan handed to `LMS(plan=...)`
@@ -277,6 +278,6 @@ def report_for(
 def _spec(name: str) -> DeviceSpec:
     if name != "local":
         return device_spec(name)
-    from lms.tuning import local_device_spec
+    from lms.orchestration.local import local_device_spec
 
     return local_device_spec(torch.device("cuda" if torch.cuda.is_available() else "cpu"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lms._units import bucket_bytes, parse_bytes
+from lms.core.units import bucket_bytes, parse_bytes
 
 __all__ = [
     "DeviceSpec",
@@ -31,13 +31,14 @@ LINK_MARGIN = 0.8
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class OpTimings:
-    """Seconds each op of one trace took, run alone on the device (`lms.timing.time_ops`).
+    """Seconds each op of one trace took, run alone on the device
+    (`lms.orchestration.timing.time_ops`).
 
     Compared and hashed by identity: a spec that carries them stays a cheap key.
     """
 
     fingerprint: str
-    """`lms.analysis.records.Trace.fingerprint` of the trace timed."""
+    """`lms.core.records.Trace.fingerprint` of the trace timed."""
     seconds: tuple[float | None, ...]
     """By op index; None for an op not timed (priced by the spec's rates)."""
 
@@ -57,7 +58,7 @@ class DeviceSpec:
     """Device memory."""
     peak_flops: float
     """Dense fp32 (or tf32 where used by default) rate, FLOP/s: the datasheet's peak, or on the
-    local device what a convolution reaches (`lms.tuning.local_device_spec`)."""
+    local device what a convolution reaches (`lms.orchestration.local.local_device_spec`)."""
     peak_flops_half: float
     """fp16/bf16 tensor-core rate, FLOP/s (likewise)."""
     memory_bandwidth_gbps: float
@@ -94,14 +95,14 @@ class DeviceSpec:
     """Spill-file read rate, GB/s."""
     cpu_scratch: bool = False
     """Ops take the CPU's scratch memory on top of their tensors while they run
-    (`lms.analysis.records.OpRecord.cpu_scratch_bytes`): the "cpu" spec."""
+    (`lms.core.records.OpRecord.cpu_scratch_bytes`): the "cpu" spec."""
     fresh_memory_gbps: float | None = None
     """Rate, GB/s, at which an op first writes memory the allocator maps for it anew, on top of
-    its traffic (Note [Fresh pages on a CPU]): the "cpu" spec, for storages of at least
+    its traffic (Note [Fresh pages]): the "cpu" spec, for storages of at least
     `FRESH_PAGES_BYTES`; None where that costs nothing more (a GPU's caching allocator)."""
     fresh_read_gbps: float | None = None
     """Rate, GB/s, at which a read back first writes memory the allocator maps for it anew, on
-    top of the read (Note [Reads back into fresh pages]): the "cpu" spec, for storages of at
+    top of the read (Note [Fresh pages]): the "cpu" spec, for storages of at
     least `FRESH_PAGES_BYTES`; None where that costs nothing more."""
     copies_take_compute: bool = False
     """Copies run on a host thread that takes a core the step's compute needs, so compute loses
@@ -138,7 +139,7 @@ class DeviceSpec:
 
     def host_copy_bytes(self, nbytes: int) -> int:
         """Host memory an offloaded copy of ``nbytes`` takes: on a GPU, the runtime's pinned
-        pool serves it from a bucket (`lms._units.bucket_bytes`: up to 2 MiB more, and up to
+        pool serves it from a bucket (`lms.core.units.bucket_bytes`: up to 2 MiB more, and up to
         twice the bytes below 2 MiB); on "cpu", a spill file of exactly its bytes."""
         return nbytes if self.name == "cpu" else bucket_bytes(nbytes)
 

@@ -70,7 +70,7 @@ class TensorMeta:
 @dataclasses.dataclass(frozen=True)
 class OpCall:
     """How one op was called: its overload and arguments, tensors as `TensorMeta`, so that it
-    can run again alone on real tensors of those shapes (`lms.timing.time_ops`)."""
+    can run again alone on real tensors of those shapes (`lms.orchestration.timing.time_ops`)."""
 
     op: Any
     """The ``torch._ops.OpOverload``."""
@@ -121,11 +121,11 @@ class SavedEvent:
 class JunctionRecord:
     """A saved tensor that feeds several operations: where its partial gradients met in backward.
 
-    See `lms.runtime.junctions`.
+    See `lms.core.junctions`.
     """
 
     storage: int
-    """The saved storage (its entry names the junction in `lms.Plan.stash`)."""
+    """The saved storage (its entry names the junction in `lms.Plan.relieved_junctions`)."""
     grads: tuple[int, ...]
     """Storages of the partial gradients, in the order they arrived."""
     sizes: tuple[int, ...]
@@ -140,7 +140,7 @@ class JunctionRecord:
     """Storages the engine's sums of the partials wrote, ``merged`` among them."""
     taken: int = 1
     """How many of the partials, first to arrive first, wait off the device when relieved
-    (`lms.runtime.junctions.partials_taken`)."""
+    (`lms.core.junctions.partials_taken`)."""
 
     @property
     def partials(self) -> int:

@@ -20,15 +20,15 @@ import os
 import tempfile
 from collections.abc import Sequence
 
-from lms._units import format_bytes
-from lms.analysis.devices import DeviceSpec
-from lms.analysis.records import Trace
 from lms.analysis.simulate import simulate
-from lms.plan import Plan
+from lms.core.devices import DeviceSpec
+from lms.core.plan import Plan
+from lms.core.records import Trace
+from lms.core.units import format_bytes
 
 __all__ = ["ENV_VAR", "cache_folder", "cache_path", "load_cached", "planner_code", "save_plan"]
 
-log = logging.getLogger("lms.tuning")
+log = logging.getLogger("lms.orchestration.tuning")
 ENV_VAR = "LMS_CACHE_DIR"
 """Environment variable naming the plan cache folder (default ``~/.cache/lms/plans``)."""
 
@@ -41,19 +41,19 @@ def cache_folder(cache_dir: str | None = None) -> str:
 
 @functools.cache
 def planner_code() -> str:
-    """A short hash of the sources that choose and check plans (``lms/planning``,
-    ``lms/analysis`` and the units they size buffers in, ``lms/_units.py``): a plan kept by other
-    code is tuned again, though the release is the same (an editable install, a checkout moved
-    on), and would otherwise be followed as it was."""
+    """A short hash of the sources that choose and check plans (``lms/core``, ``lms/analysis``
+    and ``lms/planning``, each file at any depth): a plan kept by other code is tuned again,
+    though the release is the same (an editable install, a checkout moved on), and would
+    otherwise be followed as it was."""
     digest = hashlib.sha256()
-    root = os.path.dirname(os.path.abspath(__file__))
-    sources = ["_units.py"]
-    for package in ("planning", "analysis"):
-        names = sorted(os.listdir(os.path.join(root, package)))
-        sources += [f"{package}/{name}" for name in names if name.endswith(".py")]
-    for path in sources:
-        with open(os.path.join(root, path), "rb") as source:
-            digest.update(f"{path}\0".encode() + source.read())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sources = []
+    for package in ("core", "analysis", "planning"):
+        for folder, _, names in os.walk(os.path.join(root, package)):
+            sources += [os.path.join(folder, name) for name in names if name.endswith(".py")]
+    for path in sorted(sources):
+        with open(path, "rb") as source:
+            digest.update(f"{os.path.relpath(path, root)}\0".encode() + source.read())
     return digest.hexdigest()[:12]
 
 

@@ -12,18 +12,20 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from lms._units import check_counts, format_bytes, parse_bytes
 from lms.analysis import device_spec as lookup_spec
 from lms.analysis import simulate, trace_step
-from lms.errors import PlanInfeasibleError
+from lms.core.errors import PlanInfeasibleError
+from lms.core.units import check_counts, format_bytes, parse_bytes
+from lms.harness.zoo import zoo_model
 from lms.planning import plan_auto
-from lms.zoo import zoo_model
 
 __all__ = ["sweep", "plot_sweep"]
 
-log = logging.getLogger("lms.sweep")
+log = logging.getLogger("lms.harness.sweep")
 
 
+# Long by design: the seed's protocol as one loop, each size traced, simulated and planned, the
+# point written as it is measured.
 def sweep(
     model: str,
     *,

@@ -21,6 +21,7 @@ __all__ = [
     "no_offload_in",
     "offload_blocked",
     "submodules",
+    "without_node",
     "wrapped_parts",
 ]
 
@@ -229,3 +230,21 @@ def distinct_storages(
         if device_type is None or value.device.type == device_type:
             found.update(((s.device, s.data_ptr()), s.nbytes()) for s in _storages(value))
     return found
+
+
+def without_node(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a pack hook may hold it: a detached alias unless it is a parameter (a leaf
+    that needs a gradient).
+
+    Note: [A kept save holds no reference cycle]
+    An op that saves its own output (softmax, tanh, exp) makes the output's node hold the packed
+    object: holding the output itself would close a cycle (output, node, packed, output) through
+    autograd's C++ node, which Python's collector cannot see, and an output that backward never
+    reaches (a metric computed with gradients on, an unused head) would never be freed. A
+    detached alias has the same storage and version counter and no node. A tensor that needs no
+    gradient (max pooling's indices, an RNN's workspace) is a leaf with no node, but its alias
+    lets the object die with the caller's last reference, as it does when the runtime moves it:
+    the trace watches those objects to learn what the step's code holds (Note [Tensors the
+    step's code holds]).
+    """
+    return tensor if tensor.is_leaf and tensor.requires_grad else tensor.detach()

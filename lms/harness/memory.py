@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from lms.runtime.keep import distinct_storages
+from lms.core.keep import distinct_storages
 
 __all__ = [
     "PeakMemory",

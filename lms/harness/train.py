@@ -13,23 +13,23 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-from lms._units import check_counts, format_bytes, format_rate
-from lms.bench.memory import SampledSteps, tensors_bytes
-from lms.errors import LMSError, step_failed
+from lms.core.errors import LMSError, step_failed
+from lms.core.keep import no_offload_in, submodules
+from lms.core.units import check_counts, format_bytes, format_rate
+from lms.harness.memory import SampledSteps, tensors_bytes
+from lms.harness.zoo import ZOO, ZooModel, zoo_model
 from lms.runtime import LMS
-from lms.runtime.keep import no_offload_in, submodules
-from lms.zoo import ZOO, ZooModel, zoo_model
 
 __all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks"]
 
-log = logging.getLogger("lms.train")
+log = logging.getLogger("lms.harness.train")
 METHODS = ("none", "lms", "save_on_cpu", "checkpoint")
 _SNAPSHOT_ENTRIES = 200_000
 """Allocator events a memory snapshot keeps: a ResNet50 step makes about 5000."""
@@ -53,7 +53,7 @@ class TrainResult:
     peak_bytes: int
     """Peak device allocation (GPU); on a CPU, ``start_bytes`` plus the peak growth of the C heap
     in use over a sampled step (the resident set's where the heap is not counted:
-    `lms.bench.memory`)."""
+    `lms.harness.memory`)."""
     device: str
     loss: float
     lms_stats: dict[str, float] | None
@@ -152,18 +152,8 @@ def train(
             f"lms: memory_snapshot={memory_snapshot!r} records the CUDA allocator; "
             f"this run trains on {target}"
         )
-    torch.manual_seed(0)
-    model = entry.build().to(target)
+    model, batch = _model_and_batch(entry, method, size, batch_size, data, target)
     kept = no_offload_in(*submodules(model, keep_in)) if method == "lms" else None
-    fmt = torch.channels_last if entry.unit == "pixels" else None
-    if fmt is not None:
-        model = model.to(memory_format=fmt)
-    if method == "checkpoint":
-        model = checkpoint_blocks(model)
-    batch = list(data) if data is not None else list(entry.make_batch(size, batch_size))
-    batch = [t.to(target) for t in batch]
-    if fmt is not None:
-        batch[0] = batch[0].contiguous(memory_format=fmt)
     start_bytes = None if cuda else tensors_bytes([*model.parameters(), *model.buffers(), *batch])
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     assert entry.step_fn is not None
@@ -184,37 +174,22 @@ def train(
             return torch.autograd.graph.save_on_cpu(pin_memory=cuda)
         return _nothing()
 
-    times: list[float] = []
-    peaks: list[int] = []  # CUDA's, a step each
-    loss = torch.zeros(())
     label = f"{model_name} {size} {method}"
     recording = _allocator_history(memory_snapshot) if memory_snapshot else _nothing()
     run = SampledSteps(steps, cuda)  # Note [Steps timed without the sampler]
     with recording:
-        for index in tqdm(range(steps), desc=label, unit="step", disable=not progress):
-            optimizer.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize(target)
-                torch.cuda.reset_peak_memory_stats(target)
-            with run.sampling(index):
-                start = time.perf_counter()
-                mixed = torch.autocast(target.type, dtype=autocast) if autocast else _nothing()
-                try:
-                    with context(), mixed:
-                        loss = step_fn(model, batch)
-                except LMSError:
-                    raise
-                except Exception as error:
-                    if times:  # a later step: not a question of the input
-                        raise
-                    what = f"{model_name}'s first step at size {size}, batch {len(batch[0])},"
-                    raise step_failed(error, what) from error
-                optimizer.step()
-                if cuda:
-                    torch.cuda.synchronize(target)
-                times.append(time.perf_counter() - start)
-            if cuda:
-                peaks.append(torch.cuda.max_memory_allocated(target))
+        loss, times, peaks = _run_steps(
+            steps,
+            lambda: step_fn(model, batch),
+            optimizer,
+            context,
+            run,
+            target=target,
+            autocast=autocast,
+            label=label,
+            what=f"{model_name}'s first step at size {size}, batch {len(batch[0])},",
+            progress=progress,
+        )
     memory = run.steady  # on a CPU, the sampled step after the first (else the first)
     if memory is not None:
         peaks.append((start_bytes or 0) + memory.growth_bytes)
@@ -242,6 +217,83 @@ def train(
         offload.close()
     if kept is not None:
         kept.remove()
+    _log_result(result, memory, entry.unit)
+    return result
+
+
+def _model_and_batch(
+    entry: ZooModel,
+    method: str,
+    size: int,
+    batch_size: int,
+    data: Sequence[torch.Tensor] | None,
+    target: torch.device,
+) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """The model, seeded, on ``target`` (channels-last for images; its blocks checkpointed for
+    the "checkpoint" method) and the batch it trains on."""
+    torch.manual_seed(0)
+    model = entry.build().to(target)
+    fmt = torch.channels_last if entry.unit == "pixels" else None
+    if fmt is not None:
+        model = model.to(memory_format=fmt)
+    if method == "checkpoint":
+        model = checkpoint_blocks(model)
+    batch = list(data) if data is not None else list(entry.make_batch(size, batch_size))
+    batch = [t.to(target) for t in batch]
+    if fmt is not None:
+        batch[0] = batch[0].contiguous(memory_format=fmt)
+    return model, batch
+
+
+def _run_steps(
+    steps: int,
+    step: Callable[[], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    context: Callable[[], Any],
+    run: SampledSteps,
+    *,
+    target: torch.device,
+    autocast: torch.dtype | None,
+    label: str,
+    what: str,
+    progress: bool,
+) -> tuple[torch.Tensor, list[float], list[int]]:
+    """Run and time ``steps`` steps, each inside ``context()``: the last loss, each step's seconds
+    and, on CUDA, each step's allocator peak. A first step that raises names ``what``."""
+    cuda = target.type == "cuda"
+    times: list[float] = []
+    peaks: list[int] = []  # CUDA's, a step each
+    loss = torch.zeros(())
+    for index in tqdm(range(steps), desc=label, unit="step", disable=not progress):
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(target)
+            torch.cuda.reset_peak_memory_stats(target)
+        with run.sampling(index):
+            start = time.perf_counter()
+            mixed = torch.autocast(target.type, dtype=autocast) if autocast else _nothing()
+            try:
+                with context(), mixed:
+                    loss = step()
+            except LMSError:
+                raise
+            except Exception as error:
+                if times:  # a later step: not a question of the input
+                    raise
+                raise step_failed(error, what) from error
+            optimizer.step()
+            if cuda:
+                torch.cuda.synchronize(target)
+            times.append(time.perf_counter() - start)
+        if cuda:
+            peaks.append(torch.cuda.max_memory_allocated(target))
+    return loss, times, peaks
+
+
+def _log_result(result: TrainResult, memory: Any, unit: str) -> None:
+    """The run's `[LMS]` line: its step time, rate and peak, and on a CPU where the peak came
+    from (weights and batch, then the heap's or the resident set's growth)."""
+    start_bytes = result.start_bytes
     measure = ""
     if start_bytes is not None and memory is not None:
         grew = f"grew by {format_bytes(result.peak_bytes - start_bytes)}"
@@ -252,17 +304,16 @@ def train(
         measure = f": {format_bytes(start_bytes)} of weights and batch, then {grew}"
     log.info(
         "[LMS] %s size %d batch %d, %s: %.3f s/step, %.3g samples/s, %s, peak %s%s",
-        model_name,
-        size,
+        result.model,
+        result.size,
         result.batch_size,
-        method,
-        step_s,
+        result.method,
+        result.step_s,
         result.samples_per_s,
-        format_rate(result.elements_per_s, entry.unit),
+        format_rate(result.elements_per_s, unit),
         format_bytes(result.peak_bytes),
         measure,
     )
-    return result
 
 
 def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:
@@ -277,7 +328,7 @@ def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:
         "recompute": len(plan.recompute),
         "refetch": len(plan.refetch),
         "spill": len(plan.spill),
-        "stash": len(plan.stash),
+        "relieved_junctions": len(plan.relieved_junctions),
         "free_held": len(plan.free_held),
         "entries": plan.num_entries,
     }

@@ -17,12 +17,12 @@ import torch
 from torch.utils._pytree import tree_map
 from tqdm import tqdm
 
-from lms.analysis.devices import FRESH_PAGES_BYTES, OpTimings
-from lms.analysis.records import TensorMeta, Trace
+from lms.core.devices import FRESH_PAGES_BYTES, OpTimings
+from lms.core.records import TensorMeta, Trace
 
 __all__ = ["apply_backend_settings", "backend_settings", "time_ops"]
 
-log = logging.getLogger("lms.timing")
+log = logging.getLogger("lms.orchestration.timing")
 
 _AT_LEAST_S = 2e-3
 """A call runs again (three times at least) until its timed runs fill this..."""
@@ -31,7 +31,7 @@ _ENOUGH_S = 30e-3
 _MOST_CALLS = 50
 _START_S = 60.0
 """Time the timing process may take beyond its limit to start (importing PyTorch) and end."""
-_CHILD = (sys.executable, "-c", "from lms.timing import _main; _main()")
+_CHILD = (sys.executable, "-c", "from lms.orchestration.timing import _main; _main()")
 
 Job = tuple[str, tuple[Any, ...], dict[str, Any]]
 """A call to time: the overload's name (``aten.add.Tensor``), its arguments, tensors as
@@ -45,7 +45,7 @@ Job = tuple[str, tuple[Any, ...], dict[str, Any]]
 # processes; in one pair the timed one kept taking 83 to 95 thousand page faults a step, the
 # other 0 to 12 thousand after its first. Timed in a process of their own, three such pairs ran
 # alike (0.88, 0.94 and 0.91 s a step against 0.98, 0.89 and 0.94). The calls go, pickled, to
-# a fresh Python process (`lms.timing._main`, about 2 s to start here), which times them and
+# a fresh Python process (`_main`, about 2 s to start here), which times them and
 # sends each time back as it has it. The step's process keeps its heap, its random streams and
 # its threads' state, and an op that crashes on made-up data ends that process alone: the calls
 # it had not timed then keep the rates.
@@ -60,7 +60,7 @@ def time_ops(
 ) -> OpTimings:
     """Seconds each op of ``trace`` takes on ``device``, run alone.
 
-    Each distinct call (`lms.analysis.records.OpCall.key`: the op, its tensors' shapes, strides
+    Each distinct call (`lms.core.records.OpCall.key`: the op, its tensors' shapes, strides
     and dtypes, its other arguments) runs on real tensors of those shapes, in a process of its
     own (Note [Ops are timed in a process of their own]): once to warm up (a library's choice of
     kernel, its caches), then timed, the fastest of its runs kept. Views move no data and take
@@ -211,7 +211,7 @@ def _main() -> None:
     if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current one
         torch.cuda.set_device(device)
     if device.type == "cpu":
-        # Note [Fresh pages on a CPU]: glibc maps an allocation anew until it has freed a mapped
+        # Note [Fresh pages]: glibc maps an allocation anew until it has freed a mapped
         # one that large; a step's first allocations move its threshold to 32 MiB, and below it
         # a step's tensors take memory its heap held before. Timed before, a 32 MiB add ran 4
         # times as long as in a step.

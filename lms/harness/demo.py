@@ -14,16 +14,17 @@ import time
 import torch
 from tqdm import tqdm
 
-from lms._units import check_counts, format_bytes
-from lms.analysis import report_for, simulate, trace_step
-from lms.bench.memory import SampledSteps, tensors_bytes
+from lms.analysis import simulate, trace_step
+from lms.core.units import check_counts, format_bytes
+from lms.harness.memory import SampledSteps, tensors_bytes
+from lms.harness.zoo import zoo_model
+from lms.orchestration.analyze import report_for
+from lms.orchestration.local import local_device_spec, with_local_timings
 from lms.runtime import LMS
-from lms.tuning import local_device_spec, with_local_timings
-from lms.zoo import zoo_model
 
 __all__ = ["run_demo"]
 
-log = logging.getLogger("lms.demo")
+log = logging.getLogger("lms.harness.demo")
 
 # The embedded default: ResNet50 at a resolution whose step needs well over the budget.
 MODEL = "resnet50"
@@ -32,6 +33,8 @@ GPU_SIZE, GPU_BATCH = 4096, 2
 BUDGET_FRACTION = 0.4
 
 
+# Long by design: the demo's script, step by step as its output reads: trace, plan, train with
+# and without LMS, compare, write the files.
 def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     """Run the demo; returns the measured and predicted figures.
 

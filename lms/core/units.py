@@ -72,7 +72,7 @@ BUCKET_STEP = 2 * 1024**2
 
 def bucket_bytes(nbytes: int) -> int:
     """The host pool bucket a request of ``nbytes`` is served from (`lms.runtime.pool`), which
-    the simulator counts too (`lms.analysis.devices.DeviceSpec.host_copy_bytes`)."""
+    the simulator counts too (`lms.core.devices.DeviceSpec.host_copy_bytes`)."""
     if nbytes <= BUCKET_STEP:
         return 1 << max(nbytes - 1, 0).bit_length()
     return -(-nbytes // BUCKET_STEP) * BUCKET_STEP

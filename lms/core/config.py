@@ -14,7 +14,8 @@ import dataclasses
 import os
 from typing import Literal
 
-from lms._units import parse_bytes
+from lms.core.sync import SyncMode
+from lms.core.units import parse_bytes
 
 __all__ = ["LMSConfig", "Tier", "AUTO_MIN_OFFLOAD_BYTES", "AUTO_SWAPIN_AHEAD"]
 
@@ -52,9 +53,9 @@ class LMSConfig:
     """Start bringing a tensor back this many uses before backward needs it; -1: auto (2)."""
     swapin_groupby: int = -1
     """Tensors used within this many levels after a prefetched one come back with it; -1: 0."""
-    sync_mode: int = 0
-    """0: asynchronous copies, 1: wait for each copy out, 2: no prefetch (copy in on demand),
-    3: both."""
+    sync_mode: int = SyncMode.ASYNC
+    """How the step waits for its copies, a `SyncMode`: 0 asynchronous copies, 1 wait for each
+    copy out, 2 no prefetch (copy in on demand), 3 both."""
     min_offload_bytes: int | str = -1
     """Saved tensors smaller than this stay on the device; -1: automatic (256 KiB)."""
     spill_dir: str | None = None
@@ -117,9 +118,9 @@ class LMSConfig:
     @property
     def sync_out(self) -> bool:
         """Whether each copy out is waited for (sync modes 1 and 3)."""
-        return self.sync_mode in (1, 3)
+        return SyncMode(self.sync_mode).waits_out
 
     @property
     def sync_in(self) -> bool:
         """Whether copies in happen on demand only (sync modes 2 and 3)."""
-        return self.sync_mode in (2, 3)
+        return SyncMode(self.sync_mode).on_demand

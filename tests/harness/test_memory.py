@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from lms.bench.memory import PeakMemory, heap_in_use_bytes, sampled_steps, steady_times
+from lms.harness.memory import PeakMemory, heap_in_use_bytes, sampled_steps, steady_times
 
 GLIBC = platform.libc_ver()[0] == "glibc" and tuple(
     int(part) for part in platform.libc_ver()[1].split(".")[:2]
@@ -24,7 +24,7 @@ GLIBC = platform.libc_ver()[0] == "glibc" and tuple(
 SCRIPT = textwrap.dedent(
     """
     import json, torch
-    from lms.bench.memory import PeakMemory
+    from lms.harness.memory import PeakMemory
     torch.empty(2**21)  # 8 MiB, freed at once
     chunks = [torch.ones(2**18) for _ in range(256)]
     top = torch.ones(2**12)
@@ -52,7 +52,7 @@ def test_the_heap_counts_what_the_block_allocates_from_memory_already_resident()
 
 
 def test_without_the_heap_count_growth_is_the_resident_sets(monkeypatch):
-    import lms.bench.memory as memory
+    import lms.harness.memory as memory
 
     monkeypatch.setattr(memory, "_MALLINFO2", None)
     assert heap_in_use_bytes() is None
@@ -86,8 +86,8 @@ def test_steps_are_timed_apart_from_the_ones_whose_memory_is_sampled(steps, cuda
 
 
 def test_a_cpu_run_samples_one_step_of_three_and_times_the_last(monkeypatch):
-    import lms.bench.memory
-    import lms.train
+    import lms.harness.memory
+    import lms.harness.train
 
     started = []
 
@@ -96,8 +96,8 @@ def test_a_cpu_run_samples_one_step_of_three_and_times_the_last(monkeypatch):
             started.append(self)
             return super().__enter__()
 
-    monkeypatch.setattr(lms.bench.memory, "PeakMemory", Counted)
-    result = lms.train.train(
+    monkeypatch.setattr(lms.harness.memory, "PeakMemory", Counted)
+    result = lms.harness.train.train(
         "resnet50", size=64, steps=3, method="none", progress=False, device="cpu"
     )
     assert len(started) == 1

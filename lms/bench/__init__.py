@@ -1,1 +1,0 @@
-"""Measurement helpers shared by the benchmarks and the CLI."""

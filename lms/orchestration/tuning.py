@@ -1,0 +1,178 @@
+"""`LMS.tune`'s one entry: trace the user's step, plan it for the local device, cache plans by
+fingerprint."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lms.analysis.simulate import simulate
+from lms.analysis.trace import StepFn, trace_step
+from lms.core.devices import DeviceSpec
+from lms.core.errors import HostMemoryError, SpillError
+from lms.core.plan import Plan
+from lms.core.records import Trace
+from lms.core.units import format_bytes
+from lms.core.version import __version__
+from lms.orchestration.cache import cache_folder, cache_path, load_cached, planner_code, save_plan
+from lms.orchestration.local import local_device_spec, with_local_timings
+
+__all__ = ["check_offload_room", "tune_plan"]
+
+log = logging.getLogger("lms.orchestration.tuning")
+
+
+# Long by design: `LMS.tune`'s one entry, in order: trace, check the cache, time the ops, plan,
+# check the room offloading needs, cache; each step reads what the ones before it made.
+def tune_plan(
+    model: torch.nn.Module,
+    batch: Any,
+    step_fn: StepFn | None,
+    *,
+    budget_bytes: int | None,
+    min_offload_bytes: int,
+    autocast: torch.dtype | None = None,
+    cache_dir: str | None = None,
+    planner: Callable[..., Plan] | None = None,
+    tier: str = "auto",
+    host_budget_bytes: int | None = None,
+    spill_dir: str | None = None,
+    free_held: bool = False,
+) -> Plan:
+    """Trace ``step_fn(model, batch)`` under fake tensors and plan it for the model's device.
+
+    A plan for the same step, budget and device found in ``cache_dir`` (else ``$LMS_CACHE_DIR``,
+    else ``~/.cache/lms/plans``) is used instead of tuned, if it still fits
+    (`lms.orchestration.cache`).
+    On a GPU, offloaded data beyond ``host_budget_bytes`` is planned into spill files (tier
+    "auto"), or refused (tier "host"). ``free_held``: the plan may empty what the step's code
+    holds (`lms.LMSConfig.free_held`).
+
+    Raises:
+        PlanInfeasibleError: when no plan fits the device budget.
+        HostMemoryError: tier "host", when the offloaded data cannot fit in the host budget.
+        SpillError: when the spill files the plan needs do not fit on the spill disk.
+    """
+    from lms.planning import plan_auto
+
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else torch.device("cpu")
+    spec = local_device_spec(device)
+    if device.type == "cuda" and tier == "auto":
+        spec = spec.with_host_memory(host_budget_bytes)
+    budget = spec.memory_bytes if budget_bytes is None else budget_bytes
+    started = time.perf_counter()
+    trace = trace_step(
+        model,
+        batch,
+        step_fn,
+        device=device,
+        autocast=autocast,
+        min_offload_bytes=min_offload_bytes,
+        name=type(model).__name__,
+    )
+    half = autocast is not None
+    choose: Any = planner or plan_auto
+    if device.type == "cuda":  # the card, not its measured rates, which vary run to run
+        card = torch.cuda.get_device_properties(device)
+        where = f"{card.name}:{card.total_memory}:{spec.host_memory_bytes}"
+    else:
+        where = spec.name
+    chooser = getattr(choose, "__qualname__", type(choose).__qualname__)
+    setting = (where, __version__, planner_code(), half, chooser, *(["free_held"] * free_held))
+    path = cache_path(cache_folder(cache_dir), trace, budget, setting)
+    loaded = load_cached(path, trace, spec, budget, half=half)
+    if loaded is not None:
+        plan = loaded
+    else:
+        spec = with_local_timings(spec, trace, device, budget)
+        if trace.compiled:
+            log.info(
+                "[LMS] The model or the step is compiled: its plan recomputes nothing, since "
+                "a replay would run it uncompiled (Note [Compiled models are not replayed])"
+            )
+        options = {"free_held": True} if free_held else {}
+        plan = choose(trace, spec, budget, half=half, **options)
+        # Note [The first step prefetches in the traced order]
+        plan = dataclasses.replace(plan, use_order=trace.use_order)
+    # A cached plan too: the host budget and the spill disk's free space may differ now.
+    check_offload_room(
+        trace,
+        plan,
+        spec,
+        half=half,
+        host_budget_bytes=host_budget_bytes if device.type == "cuda" and tier == "host" else None,
+        spill_dir=spill_dir,
+        spills=tier != "host",
+    )
+    if loaded is not None:
+        log.info("[LMS] Loaded the plan for this step from %s", path)
+        return plan
+    save_plan(plan, path)
+    log.info(
+        "[LMS] Tuned in %.2f s: offload %d of %d saved storages, predicted peak %.2f GiB, "
+        "overhead %+.1f%%; saved to %s",
+        time.perf_counter() - started,
+        len(plan.offload),
+        plan.num_entries,
+        plan.predicted_peak_bytes / 1024**3,
+        100 * plan.predicted_overhead,
+        path,
+    )
+    return plan
+
+
+def check_offload_room(
+    trace: Trace,
+    plan: Plan,
+    spec: DeviceSpec,
+    *,
+    half: bool = False,
+    host_budget_bytes: int | None = None,
+    spill_dir: str | None = None,
+    spills: bool = True,
+) -> None:
+    """Refuse, before training, a plan whose offloaded data has nowhere to go.
+
+    Args:
+        host_budget_bytes: host memory the offloaded copies must fit in (tier "host"); None
+            when they may overflow to disk.
+        spill_dir: where spill files go (None: the system's temporary folder).
+        spills: whether offloaded data may go to spill files at all (not with tier "host").
+
+    Raises:
+        HostMemoryError: the copies held in host memory exceed ``host_budget_bytes``.
+        SpillError: the spill files exceed the free space of the spill disk.
+    """
+    result = simulate(trace, plan, spec, half=half)
+    if host_budget_bytes is not None and result.host_peak_bytes > host_budget_bytes:
+        raise HostMemoryError(
+            f"lms: the plan holds up to {format_bytes(result.host_peak_bytes)} of offloaded data "
+            f"in host memory, over the host budget of {format_bytes(host_budget_bytes)}; raise "
+            "host_budget, use tier='auto' to spill the rest to disk, or raise the device budget"
+        )
+    on_disk = result.disk_peak_bytes if spec.name != "cpu" else result.host_peak_bytes
+    if on_disk and spills:
+        folder = spill_dir or tempfile.gettempdir()
+        free = shutil.disk_usage(folder).free
+        if on_disk > free:
+            raise SpillError(
+                f"lms: the plan writes up to {format_bytes(on_disk)} of spill files but {folder} "
+                f"has {format_bytes(free)} free; point spill_dir at a larger disk, raise the "
+                "host budget, or raise the device budget"
+            )
+    if result.disk_peak_bytes:
+        log.info(
+            "[LMS] Host memory holds up to %s of offloaded data; %d tensors (%s at most at "
+            "once) go to spill files",
+            format_bytes(result.host_peak_bytes),
+            len(plan.spill),
+            format_bytes(result.disk_peak_bytes),
+        )

@@ -1,0 +1,119 @@
+"""The search: for each prefetch variant and starting set, the longest run of the ranking that
+can stay on the device, then the rest one by one; the best searches refined and polished."""
+
+from __future__ import annotations
+
+from lms.core.plan import Plan
+from lms.planning.candidates import Candidates
+from lms.planning.greedy.polish import polish
+from lms.planning.greedy.refine import refine
+from lms.planning.greedy.shared import VARIANTS, keeping
+from lms.planning.greedy.starts import cheaper_to_recompute, distinct
+
+__all__ = ["Search"]
+
+_RUNNERS_UP = 2
+"""Searches refined after each starting set's fastest: its next fastest with other kept sets."""
+_Searched = tuple[float, set[int], int, int]
+"""A search's predicted step time, kept entries, swapin_ahead and sync_mode."""
+
+
+class Search:
+    """The greedy search over one set of candidates, within ``max_simulations`` simulations."""
+
+    def __init__(self, candidates: Candidates, *, half: bool, max_simulations: int):
+        self.candidates = candidates
+        self.half = half
+        self.max_simulations = max_simulations
+        trace = candidates.trace
+        self.entries = trace.entries()
+        self._first_use = trace.first_use_op()
+        self._horizon = len(trace.ops)
+
+    def spent(self) -> bool:
+        """Whether the search has run all the simulations it may."""
+        return self.candidates.simulations >= self.max_simulations
+
+    def pressure(self, ordinal: int) -> float:
+        """Device memory an entry holds kept: its bytes times the ops from its save to its
+        first use in backward."""
+        storage, nbytes, save_op = self.entries[ordinal]
+        return nbytes * (self._first_use.get(storage, self._horizon) - save_op)
+
+    def best(self) -> tuple[float, Plan] | None:
+        """The fastest plan the search, refinement and polish find, keeping what is pinned;
+        None where no search fits."""
+        candidates = self.candidates
+        ranking = sorted(set(range(len(self.entries))) - candidates.pinned, key=self.pressure)
+        # What to recompute rather than move, where that is cheaper than its copy: three starting
+        # sets, each searched. With chains (as checkpointing replays a block); each from stored
+        # inputs only; and only replays bound by memory traffic, which leave the convolutions'
+        # outputs to be moved and their inputs free to be recomputed.
+        starts = distinct(
+            set(),
+            cheaper_to_recompute(candidates, self.half, chains=True),
+            cheaper_to_recompute(candidates, self.half, chains=False),
+            cheaper_to_recompute(candidates, self.half, chains=False, convolutions=False),
+        )
+        # Each variant is searched from each starting set. The best search of each start is refined
+        # first (a greedy refinement can overtake from behind), then each start's runners-up; the
+        # fastest refined plan is polished.
+        searched: dict[int, list[_Searched]] = {}
+        for ahead, sync_mode in VARIANTS:
+            for number, remake in enumerate(starts):
+                found = self._search(ranking, remake, ahead, sync_mode)
+                if found is not None:
+                    searched.setdefault(number, []).append((found[1], found[0], ahead, sync_mode))
+        if not searched:
+            return None
+        fastest: list[tuple[int, _Searched]] = []
+        runners_up: list[tuple[int, _Searched]] = []
+        for number, searches in searched.items():
+            ranked = _other_kept_sets(sorted(searches, key=lambda item: item[0]))
+            fastest.append((number, ranked[0]))
+            runners_up.extend((number, item) for item in ranked[1 : 1 + _RUNNERS_UP])
+        refined = [
+            refine(candidates, starts[number], *found, self.spent, self.pressure)
+            for number, found in [
+                *sorted(fastest, key=lambda item: item[1][0]),
+                *sorted(runners_up, key=lambda item: item[1][0]),
+            ]
+        ]
+        step_s, plan, _ = min(refined, key=lambda item: item[0])
+        plan = polish(candidates, plan, step_s, self.spent)
+        return candidates.run(plan).step_s, plan
+
+    def _evaluate(
+        self, kept: set[int], ahead: int, sync_mode: int, remake: set[int]
+    ) -> float | None:
+        """Predicted step time keeping ``kept`` on the device, or None if it does not fit."""
+        result = keeping(self.candidates, kept, ahead, sync_mode, remake)
+        return result.step_s if self.candidates.fits(result) else None
+
+    def _search(
+        self, ranking: list[int], remake: set[int], ahead: int, sync_mode: int
+    ) -> tuple[set[int], float] | None:
+        """The kept set of one variant and starting set: the longest prefix of ``ranking`` that
+        fits (a binary search), then the rest one by one; with its step time."""
+        if self._evaluate(set(), ahead, sync_mode, remake) is None:
+            return None
+        low, high = 0, len(ranking)
+        while low < high:  # the longest prefix of the ranking that can stay
+            middle = (low + high + 1) // 2
+            if self._evaluate(set(ranking[:middle]), ahead, sync_mode, remake) is not None:
+                low = middle
+            else:
+                high = middle - 1
+        kept = set(ranking[:low])
+        for ordinal in ranking[low:]:  # then one by one
+            if self.spent():
+                break
+            if self._evaluate(kept | {ordinal}, ahead, sync_mode, remake) is not None:
+                kept.add(ordinal)
+        step_s = self._evaluate(kept, ahead, sync_mode, remake)
+        return (kept, step_s) if step_s is not None else None
+
+
+def _other_kept_sets(ranked: list[_Searched]) -> list[_Searched]:
+    """``ranked`` without the searches that kept the same set as a faster one."""
+    return [item for i, item in enumerate(ranked) if all(item[1] != o[1] for o in ranked[:i])]

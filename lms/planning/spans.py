@@ -1,0 +1,107 @@
+"""Where plans hold what they move, read from a trace: the ops over which an offloaded copy is
+held, which copies go to disk, how far each save is from its use, and what the step's code holds
+that a plan may empty."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+
+from lms.core.devices import DeviceSpec
+from lms.core.recipes import recipes
+from lms.core.records import Trace
+
+__all__ = ["emptiable", "entry_distances", "host_spans", "place_spill", "replay_inputs"]
+
+
+def host_spans(trace: Trace, spec: DeviceSpec) -> list[tuple[int, int, int]]:
+    """For each entry, the ops over which an offloaded copy of it is held: from its save to the
+    op after which its storage is freed (the end of the step if never), and the host memory
+    the copy takes on ``spec`` (`DeviceSpec.host_copy_bytes`)."""
+    free_op = {record.id: record.free_op for record in trace.storages}
+    end = len(trace.ops)
+    spans = []
+    for storage, nbytes, save_op in trace.entries():
+        last = free_op.get(storage)
+        held = spec.host_copy_bytes(nbytes)
+        spans.append((save_op, end if last is None else min(last, end), held))
+    return spans
+
+
+def place_spill(
+    spans: list[tuple[int, int, int]], offload: Iterable[int], limit_bytes: int, num_ops: int
+) -> tuple[int, ...]:
+    """Offloaded entries to send to disk so that the copies held in host memory never exceed
+    ``limit_bytes``.
+
+    Note: [Spill what backward needs last]
+    Wherever host memory would overflow, the entry held there that was saved first goes to disk:
+    backward reads it last, so its slower read has the most time to hide behind compute, and
+    the entries saved last (read first, with the least time to come back) stay in host memory.
+    """
+    held = [0] * (num_ops + 1)
+    chosen = sorted(set(offload))
+    for ordinal in chosen:
+        begin, end, nbytes = spans[ordinal]
+        for op in range(begin, end + 1):
+            held[op] += nbytes
+    spilled: list[int] = []
+    remaining = list(chosen)  # in save order: the first saved first
+    while remaining:
+        peak = max(range(len(held)), key=held.__getitem__)
+        if held[peak] <= limit_bytes:
+            break
+        victim = next(i for i in remaining if spans[i][0] <= peak <= spans[i][1])
+        remaining.remove(victim)
+        spilled.append(victim)
+        begin, end, nbytes = spans[victim]
+        for op in range(begin, end + 1):
+            held[op] -= nbytes
+    return tuple(sorted(spilled))
+
+
+def entry_distances(trace: Trace) -> list[float]:
+    """For each entry, levels from its first save to its first use (infinite if never used)."""
+    save_level: dict[int, int] = {}
+    use_level: dict[int, int] = {}
+    for event in trace.events:
+        if not event.offloadable:
+            continue
+        if event.kind == "save":
+            save_level.setdefault(event.storage, event.level)
+        else:
+            use_level.setdefault(event.storage, event.level)
+    return [
+        use_level[s] - save_level[s] if s in use_level else float("inf")
+        for s, _, _ in trace.entries()
+    ]
+
+
+def emptiable(trace: Trace) -> dict[int, int]:
+    """The entries that the step's code holds past forward's last read of them (an input, a
+    block's input in a local, an output kept into backward), and for each the first saved-tensor
+    event after that read: from there a plan may empty it (Note [Emptying what the code holds]).
+    Not those a kept save holds: autograd reads them in place."""
+    storages, event_ops = trace.storages, trace.event_ops
+    found = {}
+    for ordinal, (storage, _, _) in enumerate(trace.entries()):
+        record = storages[storage]
+        code_holds = (
+            record.alloc_op < 0
+            or storage in trace.held_by_code
+            or record.last_forward_op > record.last_read_op
+        )
+        if not code_holds or storage in trace.held:
+            continue
+        after = bisect.bisect_right(event_ops, record.last_read_op)
+        if after < len(event_ops):
+            found[ordinal] = trace.events[after].level
+    return found
+
+
+def replay_inputs(trace: Trace, remade: set[int]) -> set[int]:
+    """The entries that replays of ``remade`` read: those stay filled for the replay."""
+    if not remade:
+        return set()
+    found = recipes(trace)
+    return {i for ordinal in remade if ordinal in found for i in found[ordinal].inputs}

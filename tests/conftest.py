@@ -59,9 +59,27 @@ def assert_bitwise(ref, got):
 
 
 def spill_files(folder):
-    return [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs] + [
+    """What is on disk under ``folder`` (files and folders, named), and the unnamed spill files
+    this process holds open there (Note [Spill files have no name]): a descriptor's link reads
+    ``<folder>/#<inode> (deleted)``."""
+    named = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs] + [
         d for d, _, _ in os.walk(folder) if d != folder
     ]
+    return named + open_spill_files(folder)
+
+
+def open_spill_files(folder):
+    """The unnamed files under ``folder`` this process holds open."""
+    found = []
+    root = os.path.realpath(folder)
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(root + os.sep) and target.endswith("(deleted)"):
+            found.append(target)
+    return found
 
 
 def hooks_are_gone():

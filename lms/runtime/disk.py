@@ -1,17 +1,32 @@
 """Spill files: the one module that writes them.
 
-A `SpillStore` owns a private folder under the spill directory and one background I/O thread.
-Writes and reads run on that thread in submission order, so a read of a key always follows its
-write. Files hold raw bytes and are deleted when their data is released; `close()` removes the
-folder and whatever is still in it, also after an exception.
+A `SpillStore` keeps each offloaded storage in a file of its own under the spill directory, and
+runs one background I/O thread. Writes and reads run on that thread in submission order, so a
+read of a key always follows its write.
+
+Note: [Spill files have no name]
+Each file is opened without a name (Linux's ``O_TMPFILE``; elsewhere, made and unlinked at once)
+and reached through its descriptor alone. The kernel frees its blocks when the last descriptor
+closes: when its data is released, at `close()`, and when the process ends however it ends
+(SIGTERM, SIGKILL, the out-of-memory killer). So nothing is left on disk for anyone to clean up,
+and a forked child, which inherits the descriptors but no name, cannot delete what its parent
+still needs: its exit closes its own copies only.
+
+Note: [Spill files are checked when read back]
+A file's bytes can change between forward and backward (a failing disk or filesystem, another
+process writing through ``/proc``), and wrong bytes would become wrong gradients with no error.
+Each file's xxh3 digest is taken as it is written and checked as it is read back; a mismatch
+raises `SpillError` before the bytes reach the step. The digest runs on the I/O thread beside the
+copy, and its cost is priced with the file's write and read (`lms.core.costs`); measurements:
+benchmarks/results/README.md, "Spill-file checksums". Host-memory copies (pinned buffers on a
+GPU) are not checked: they never leave the process's own memory, where nothing but the process
+writes.
 
 Note: [Spill folders of processes that were killed]
-A process killed outright (SIGKILL, the kernel's out-of-memory killer, a timeout's kill) runs no
-clean-up, and its spill folder would stay, gigabytes of it. Each folder's name says which
-process made it, on which host and in which process-id namespace (a container has its own):
-``lms-spill-<pid>@<host>.<namespace>-<random>``. Before a store makes its folder it removes the
-folders under its spill directory whose process is gone from this host and namespace
-(`remove_stale_folders`). A folder of a live process, of another host or namespace, or of a
+Releases before unnamed files kept a folder of named files per process, which a killed process
+left behind: ``lms-spill-<pid>@<host>.<namespace>-<random>``. A store still removes, under its
+spill directory, such folders whose process is gone from this host and namespace
+(`remove_stale_folders`); a folder of a live process, of another host or namespace, or of a
 process this one may not signal is left alone.
 """
 
@@ -30,6 +45,7 @@ import threading
 import weakref
 
 import torch
+import xxhash
 
 from lms.core.errors import SpillError
 from lms.core.units import format_bytes
@@ -37,7 +53,8 @@ from lms.core.units import format_bytes
 __all__ = ["SpillStore", "check_spill_dir", "remove_stale_folders"]
 
 log = logging.getLogger("lms.runtime.disk")
-_RESERVE_FREE_BYTES = 64 * 1024**2
+RESERVE_FREE_BYTES = 64 * 1024**2
+"""Free space a spill folder keeps beyond the files written to it, for the rest of the system."""
 
 
 def _bytes_view(data: torch.Tensor) -> memoryview:
@@ -121,62 +138,102 @@ def remove_stale_folders(root: str) -> int:
     return removed
 
 
+def _open_unnamed(root: str) -> int:
+    """A read-write descriptor of a new file under ``root`` that has no name (Note [Spill files
+    have no name])."""
+    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+    unnamed = getattr(os, "O_TMPFILE", 0)
+    if unnamed:
+        try:
+            return os.open(root, flags | unnamed, 0o600)
+        except OSError as exc:  # a filesystem without unnamed files: name one and unlink it
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+    fd, path = tempfile.mkstemp(prefix=".lms-spill-", dir=root)
+    os.unlink(path)
+    return fd
+
+
+class _File:
+    """One spill file: its descriptor, size and digest (Note [Spill files are checked when
+    read back])."""
+
+    __slots__ = ("fd", "nbytes", "digest")
+
+    def __init__(self, fd: int, nbytes: int, digest: int):
+        self.fd, self.nbytes, self.digest = fd, nbytes, digest
+
+
+def _close_all(files: dict[int, _File], owner: int) -> None:
+    """Close every descriptor in ``files`` (in the process that opened them only)."""
+    if os.getpid() != owner:
+        return
+    for record in list(files.values()):
+        with _suppress_os_error():
+            os.close(record.fd)
+    files.clear()
+
+
 class SpillStore:
-    """Raw-byte files for offloaded storages, written and read by one background thread."""
+    """Unnamed files for offloaded storages, written and read by one background thread (Note
+    [Spill files have no name]), each checked as it is read back (Note [Spill files are checked
+    when read back])."""
 
     def __init__(self, spill_dir: str | None):
         self.root = check_spill_dir(spill_dir)
-        self._folder: str | None = None
+        self._swept = False
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lms-io")
-        self._finalizer: weakref.finalize | None = None
+        self._files: dict[int, _File] = {}
+        self._closed = False
+        # Runs at close(), at garbage collection or at interpreter exit, whichever is first; a
+        # forked child's exit leaves the parent's descriptors to the parent.
+        self._finalizer = weakref.finalize(self, _close_all, self._files, os.getpid())
         self.bytes_on_disk = 0
         self.peak_bytes_on_disk = 0
 
-    def _path(self, key: int) -> str:
-        with self._lock:
-            if self._folder is None:
-                remove_stale_folders(self.root)
-                self._folder = tempfile.mkdtemp(prefix=_folder_prefix(), dir=self.root)
-                # Runs at close(), at garbage collection or at interpreter exit, whichever is first.
-                self._finalizer = weakref.finalize(self, _remove_tree, self._folder)
-            return os.path.join(self._folder, f"{key}.bin")
-
     @property
     def folder(self) -> str | None:
-        """The private folder holding this store's files, once the first file was written."""
-        return self._folder
+        """The folder this store's files are in, once the first file was written."""
+        return self.root if self._swept else None
 
     def write(self, key: int, data: torch.Tensor) -> concurrent.futures.Future[None]:
         """Start writing ``data`` (a contiguous CPU uint8 tensor) to the file of ``key``.
 
         Raises:
-            SpillError: at once when the disk has not room for it.
+            SpillError: at once when the disk has not room for it, or the store is closed.
         """
+        if self._closed:
+            raise SpillError("lms: this LMS object was closed; spill files cannot be written")
         nbytes = data.numel()
-        path = self._path(key)
-        free = shutil.disk_usage(os.path.dirname(path)).free
-        if free < nbytes + _RESERVE_FREE_BYTES:
+        if not self._swept:
+            self._swept = True
+            remove_stale_folders(self.root)
+        free = shutil.disk_usage(self.root).free
+        if free < nbytes + RESERVE_FREE_BYTES:
             raise SpillError(
                 f"lms: the spill folder {self.root!r} has {format_bytes(free)} free, too little "
-                f"for {format_bytes(nbytes)} more of offloaded data "
+                f"for {format_bytes(nbytes)} more of offloaded data beside the "
+                f"{format_bytes(RESERVE_FREE_BYTES)} a spill folder keeps free "
                 f"(already {format_bytes(self.bytes_on_disk)} on disk); "
                 "pass a spill_dir with more room, raise the budget or lower the batch size"
             )
         self.bytes_on_disk += nbytes
         self.peak_bytes_on_disk = max(self.peak_bytes_on_disk, self.bytes_on_disk)
-        return self._pool.submit(self._write, path, data)
+        return self._pool.submit(self._write, key, data)
 
-    def _write(self, path: str, data: torch.Tensor) -> None:
+    def _write(self, key: int, data: torch.Tensor) -> None:
         view = _bytes_view(data)
+        fd = -1
         try:
-            with open(path, "wb", buffering=0) as handle:
-                written = 0
-                while written < len(view):
-                    written += handle.write(view[written:])
+            fd = _open_unnamed(self.root)
+            written = 0
+            while written < len(view):
+                written += os.pwrite(fd, view[written:], written)
         except OSError as exc:
-            with _suppress_os_error():
-                os.unlink(path)
+            if fd >= 0:
+                with _suppress_os_error():
+                    os.close(fd)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise SpillError(
                     f"lms: the disk of {self.root!r} filled up while writing "
@@ -186,43 +243,76 @@ class SpillStore:
             raise SpillError(
                 f"lms: writing a spill file in {self.root!r} failed ({exc}); check the spill_dir"
             ) from exc
+        digest = xxhash.xxh3_64_intdigest(view)
+        with self._lock:
+            old = self._files.pop(key, None)
+            self._files[key] = _File(fd, len(view), digest)
+        if old is not None:
+            with _suppress_os_error():
+                os.close(old.fd)
 
     def read(self, key: int, into: torch.Tensor) -> concurrent.futures.Future[torch.Tensor]:
-        """Start reading the file of ``key`` into ``into`` (a CPU uint8 tensor of its size)."""
-        return self._pool.submit(self._read, self._path(key), into)
+        """Start reading the file of ``key`` into ``into`` (a CPU uint8 tensor of its size).
 
-    @staticmethod
-    def _read(path: str, into: torch.Tensor) -> torch.Tensor:
+        The future raises `SpillError` where the file is gone (the store was closed) or its
+        bytes are not those written (Note [Spill files are checked when read back])."""
+        if self._closed:
+            raise SpillError(
+                "lms: this LMS object was closed and its spill files with it; run backward "
+                "before closing it (or leaving its with block)"
+            )
+        return self._pool.submit(self._read, key, into)
+
+    def _read(self, key: int, into: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            record = self._files.get(key)
+        if record is None:
+            raise SpillError(
+                f"lms: the spill file of saved tensor {key} in {self.root!r} is gone (the LMS "
+                "object was closed, or its data released); run backward before closing it"
+            )
         view = _bytes_view(into)
-        with open(path, "rb", buffering=0) as handle:
-            done = 0
-            while done < len(view):
-                got = handle.readinto(view[done:])
-                if not got:
-                    raise SpillError(f"lms: spill file {path!r} is shorter than expected")
-                done += got
+        done = 0
+        while done < len(view):
+            got = os.preadv(record.fd, [view[done:]], done)
+            if not got:
+                raise SpillError(
+                    f"lms: the spill file of saved tensor {key} in {self.root!r} holds {done} of "
+                    f"its {record.nbytes} bytes: something truncated it; keep other processes "
+                    "off the spill_dir, or check its disk"
+                )
+            done += got
+        digest = xxhash.xxh3_64_intdigest(view)
+        if digest != record.digest:
+            raise SpillError(
+                f"lms: the spill file of saved tensor {key} ({format_bytes(record.nbytes)}) in "
+                f"{self.root!r} changed between forward and backward (checksum {digest:016x}, "
+                f"written {record.digest:016x}); its data was not used. Check the disk under "
+                "the spill_dir, pass another spill_dir, or use tier='host'"
+            )
         return into
 
     def delete(self, key: int, nbytes: int) -> None:
-        """Delete the file of ``key`` once the thread is done with it."""
+        """Close the file of ``key`` once the thread is done with it; the kernel frees it."""
         self.bytes_on_disk -= nbytes
-        path = self._path(key)
         try:
-            self._pool.submit(_unlink_quietly, path)
-        except RuntimeError:  # the pool is shut down: delete here
-            _unlink_quietly(path)
+            self._pool.submit(self._forget, key)
+        except RuntimeError:  # the pool is shut down: close it here
+            self._forget(key)
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            record = self._files.pop(key, None)
+        if record is not None:
+            with _suppress_os_error():
+                os.close(record.fd)
 
     def close(self) -> None:
-        """Wait for the I/O thread, then remove the folder and every file left in it."""
+        """Wait for the I/O thread, then close every file left; nothing stays on disk."""
+        self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._finalizer is not None:
-            self._finalizer()
+        self._finalizer()
         self.bytes_on_disk = 0
-
-
-def _unlink_quietly(path: str) -> None:
-    with _suppress_os_error():
-        os.unlink(path)
 
 
 class _suppress_os_error:

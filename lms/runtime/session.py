@@ -19,6 +19,7 @@ import torch
 
 from lms.core import policy
 from lms.core.config import LMSConfig
+from lms.core.errors import LMSError
 from lms.core.junctions import in_backward
 from lms.core.keep import (
     Keep,
@@ -113,6 +114,7 @@ class LMS:
             self._keep.note_model(each)
         self._keys = itertools.count()  # entry keys (spill file names), unique in this runtime
         self._active = False
+        self._owner = ""
         self._hooks: Any = None
         self._module_hook: Any = None
         # Note: [No reference cycles through the runtime]
@@ -136,8 +138,26 @@ class LMS:
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> LMS:
-        if self._active:
-            raise RuntimeError("lms: this LMS block is already active; steps do not nest")
+        # Note: [One step at a time]
+        # One LMS object runs one step at a time: its step state, hooks and stores are the step's.
+        # The check and the claim are one action under the lock, so that of two threads entering
+        # at once exactly one gets in and the other is refused at once, nothing of its set up.
+        with self._lock:
+            if self._active:
+                raise LMSError(
+                    f"lms: this LMS object is running a step already (entered on thread "
+                    f"{self._owner!r}); steps do not nest, and each thread needs an LMS object "
+                    "of its own"
+                )
+            self._active = True
+            self._owner = threading.current_thread().name
+        try:
+            return self._enter()
+        except BaseException:
+            self._active = False
+            raise
+
+    def _enter(self) -> LMS:
         with self._lock:
             self._relief.drop()
             previous = self._step
@@ -168,7 +188,6 @@ class LMS:
         self._hooks.__enter__()
         if self.plan is not None and self.plan.recompute:
             self._replays.watch(self._keep.fixed_ptrs, self._entry_of, self._keep.min_bytes)
-        self._active = True
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:

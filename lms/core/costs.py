@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 from lms.core.devices import FRESH_PAGES_BYTES, DeviceSpec
 
 __all__ = [
+    "checksum_s",
     "compute_s",
     "copy_in_s",
     "copy_out_s",
@@ -43,13 +44,19 @@ def link_s(spec: DeviceSpec, nbytes: int) -> float:
 
 
 def spill_write_s(spec: DeviceSpec, nbytes: int) -> float:
-    """Seconds to write ``nbytes`` from host memory to a spill file."""
-    return nbytes / (spec.disk_write_gbps * _GB)
+    """Seconds to write ``nbytes`` from host memory to a spill file, its digest taken."""
+    return nbytes / (spec.disk_write_gbps * _GB) + checksum_s(spec, nbytes)
 
 
 def spill_read_s(spec: DeviceSpec, nbytes: int) -> float:
-    """Seconds to read ``nbytes`` of a spill file back into host memory."""
-    return nbytes / (spec.disk_read_gbps * _GB)
+    """Seconds to read ``nbytes`` of a spill file back into host memory and check them."""
+    return nbytes / (spec.disk_read_gbps * _GB) + checksum_s(spec, nbytes)
+
+
+def checksum_s(spec: DeviceSpec, nbytes: int) -> float:
+    """Seconds the host takes to digest ``nbytes`` of a spill file (Note [Spill files are
+    checked when read back]); 0 where the spec's spill rates include it."""
+    return 0.0 if spec.checksum_gbps is None else nbytes / (spec.checksum_gbps * _GB)
 
 
 # Note: [Fresh pages]

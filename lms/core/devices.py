@@ -93,6 +93,11 @@ class DeviceSpec:
     """Spill-file write rate, GB/s (a local NVMe drive)."""
     disk_read_gbps: float = 3.0
     """Spill-file read rate, GB/s."""
+    checksum_gbps: float | None = 10.0
+    """Rate, GB/s, at which the host digests a spill file as it is written and again as it is
+    read back (Note [Spill files are checked when read back]; benchmarks/checksum.py); None where
+    the spill rates already include it (the "cpu" spec, whose rates are measured through the
+    spill store itself)."""
     cpu_scratch: bool = False
     """Ops take the CPU's scratch memory on top of their tensors while they run
     (`lms.core.records.OpRecord.cpu_scratch_bytes`): the "cpu" spec."""
@@ -195,6 +200,7 @@ DEVICES: dict[str, DeviceSpec] = {
             graph_bytes_per_op=1536,
             fresh_memory_gbps=4.0,
             copies_take_compute=True,
+            checksum_gbps=None,
         ),
     )
 }

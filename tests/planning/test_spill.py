@@ -48,7 +48,7 @@ def test_planner_spills_what_host_memory_cannot_hold():
     # Spilled copies go through a blocking host copy each way: never faster than host memory.
     assert result.step_s >= held.step_s
     assert "spill files" in " ".join(
-        lms.orchestration.analyze(
+        lms.analyze(
             Chain, lambda: [torch.randn(2048, 256)], device_spec=short, gpu_memory=budget
         ).lines()
     )

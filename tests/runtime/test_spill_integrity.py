@@ -134,7 +134,7 @@ def test_two_threads_entering_one_lms_object_one_is_refused(spill_dir):
         start, end = threading.Barrier(2), threading.Barrier(2)
         outcomes = []
 
-        def enter():
+        def enter(start=start, end=end, outcomes=outcomes):
             start.wait()
             try:
                 with offload:

@@ -80,12 +80,12 @@ def heap_in_use_bytes() -> int | None:
 
 
 # Note: [Steps timed without the sampler]
-# `PeakMemory`'s thread wakes every 2 ms to read the resident set and ``mallinfo2``, which walks
-# the allocator's arenas under their locks. On a 2-core machine whose cores PyTorch's threads
-# fill, the wakes slow the step: ResNet50's step at 512 px, batch 2, took 2.02 to 2.25 s sampled
-# against 1.88 to 1.93 s not, in alternating pairs (+5% to +17%), and an LMS step's spill thread
-# contends with it too. So a run of three steps or more samples its second step's memory alone
-# and times the steps after it unsampled; a CUDA run samples none, its allocator counting its peak.
+# `PeakMemory`'s thread wakes every 2 ms to read the resident set and ``mallinfo2``, which walks the
+# allocator's arenas under their locks. Where PyTorch's threads fill the cores, the wakes slow the
+# step, and an LMS step's spill thread contends with them too. So a run of three steps or more
+# samples its second step's memory alone and times the steps after it unsampled; a CUDA run samples
+# none, its allocator counting its peak. The slowdown measured: benchmarks/results/README.md, "Steps
+# timed without the sampler".
 
 
 def sampled_steps(steps: int, cuda: bool) -> frozenset[int]:

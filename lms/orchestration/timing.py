@@ -40,15 +40,12 @@ Job = tuple[str, tuple[Any, ...], dict[str, Any]]
 
 # Note: [Ops are timed in a process of their own]
 # Timing a step's calls allocates and frees its tensors in another order than the step does, and
-# glibc's heap keeps the shape that leaves. In the process that had timed them, ResNet50's steps
-# at 512 px then ran 2% to 15% slower than in a process that had not, over six pairs of
-# processes; in one pair the timed one kept taking 83 to 95 thousand page faults a step, the
-# other 0 to 12 thousand after its first. Timed in a process of their own, three such pairs ran
-# alike (0.88, 0.94 and 0.91 s a step against 0.98, 0.89 and 0.94). The calls go, pickled, to
-# a fresh Python process (`_main`, about 2 s to start here), which times them and
-# sends each time back as it has it. The step's process keeps its heap, its random streams and
-# its threads' state, and an op that crashes on made-up data ends that process alone: the calls
-# it had not timed then keep the rates.
+# glibc's heap keeps the shape that leaves: the process that timed them would then run its steps
+# slower, with more page faults. So the calls go, pickled, to a fresh Python process (`_main`),
+# which times them and sends each time back as it has it. The step's process keeps its heap, its
+# random streams and its threads' state, and an op that crashes on made-up data ends that process
+# alone: the calls it had not timed then keep the rates. Steps measured in timed and untimed
+# processes: benchmarks/results/README.md, "Ops timed in a process of their own".
 
 
 def time_ops(

@@ -235,12 +235,12 @@ class Step:
         )
 
     # Note: [The first step prefetches in the traced order]
-    # Prefetches follow the order in which backward first reads the saved storages. A step
-    # learns that order from the step before it; the first step under a tuned plan has none
-    # before it, and reading newest first instead put ResNet50's max pooling indices (3.94 GiB
-    # at 11500 px) on an H100 nine ops before the simulator, which prefetches in the traced
-    # order, had them there: 3.5 GiB over a plan simulated under its budget. So a step with no
-    # record of an earlier one follows the plan's `use_order`, the trace's.
+    # Prefetches follow the order in which backward first reads the saved storages. A step learns
+    # that order from the step before it; the first step under a tuned plan has none before it, and
+    # reading newest first instead can bring a large storage back long before the simulator, which
+    # prefetches in the traced order, has it there, over a plan simulated under its budget. So a
+    # step with no record of an earlier one follows the plan's `use_order`, the trace's. The case
+    # that showed it: benchmarks/results/README.md, "The first step's prefetch order".
     def backward_queue(self) -> list[Entry]:
         """The entries in the order backward first reads them: as the recorded step read them
         when this step saves the same, else as the plan's trace read them, else newest first.

@@ -123,18 +123,14 @@ def _written_positions(func: Any, num_args: int) -> set[int]:
 
 
 # Note: [The write log's own cost]
-# The log sees every op of the step (ResNet50 under bfloat16 autocast at 384 px: 851), so what it
-# spends a call the step spends too. Its Python took 43 us a call on small tensors: flattening
-# the arguments with PyTorch's pytree (twice 7.5 us), the op's name and its schema's writes (4
-# us). A call's shape (which arguments are lists, and how long) gives the same leaves in a loop
-# and the same spec from a cache, and an op's facts are looked up once a process: 12 us now.
-# What stays is a Python dispatch mode's own toll, paid by one that only passes each call on as
-# much: 20 to 40 us an op in ResNet50 and GoogLeNet steps on this 2-core CPU (up to 55 with
-# the log), where it slowed ResNet50's step at 384 px under a 300 MiB plan that recomputed 7 of
-# its 140 saved storages by 24%, and the same plan moving those 7 instead by 8%. The "cpu" spec
-# charges each op 30 us under a plan that recomputes (`DeviceSpec.write_log_op_s`), so planners
-# recompute on a CPU only where that pays for the log; a GPU's host runs that Python while the
-# card works through the queue.
+# The log sees every op of the step, so what it spends a call the step spends too. A call's shape
+# (which arguments are lists, and how long) gives the same leaves in a loop and the same spec from a
+# cache, and an op's facts (its name, its schema's writes) are looked up once a process. What stays
+# is a Python dispatch mode's own toll, paid by one that only passes each call on as much. The "cpu"
+# spec charges each op for it under a plan that recomputes (`DeviceSpec.write_log_op_s`), so
+# planners recompute on a CPU only where that pays for the log; a GPU's host runs that Python while
+# the card works through the queue. The costs measured: benchmarks/results/README.md, "The write
+# log's own cost".
 _FACTS: dict[tuple[Any, int], tuple[bool, frozenset[int]]] = {}
 _SPECS: dict[Any, Any] = {}
 _CONTAINERS = (list, tuple, dict)

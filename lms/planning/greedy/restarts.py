@@ -31,17 +31,14 @@ def kinds(trace: Trace, moved: Sequence[int]) -> list[set[int]]:
 
 
 # Note: [Restarts from the plan found]
-# The search is greedy: one storage it chose to move can steer every later choice, and a plan
-# that keeps it may be much faster (a 3D U-Net at 304^3 on the H100 spec: 0.49 s a step, and
-# 0.25 s with one storage of the 0.49 s plan kept from the start). A choice made for one
-# storage is made alike for the others of its kind, since a network repeats its layers and
-# the ranking sees them alike: GoogLeNet at 11000 px on the V100 spec moves eight max
-# poolings' indices, and keeping any one of them leaves the search where it was, keeping
-# all eight takes it to a plan that recomputes more and moves less (43.1% to 40.9%). With
-# simulations left, the search runs again keeping each of the two largest storages the
-# plan moves, then the largest kind of them (those made by the same operation's same
-# output), the next two storages, the other kinds, and all it moves; the fastest plan of
-# all stands.
+# The search is greedy: one storage it chose to move can steer every later choice, and a plan that
+# keeps it may be much faster. A choice made for one storage is made alike for the others of its
+# kind, since a network repeats its layers and the ranking sees them alike, so keeping one of a kind
+# can leave the search where it was while keeping all of them moves it. With simulations left, the
+# search runs again keeping each of the two largest storages the plan moves, then the largest kind
+# of them (those made by the same operation's same output), the next two storages, the other kinds,
+# and all it moves; the fastest plan of all stands. Cases where restarts paid:
+# benchmarks/results/README.md, "Restarts from the plan found".
 def restart(search: Search, step_s: float, plan: Plan) -> tuple[float, Plan]:
     """The fastest of ``plan`` and the plans found searching again keeping some of what it
     moves (Note [Restarts from the plan found]), with its step time."""

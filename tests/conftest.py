@@ -98,6 +98,7 @@ def midway_budget(trace, spec):
     floor) and the peak with none moved: a plan must move some, and some plan fits."""
     from lms.analysis import simulate
     from lms.planning.candidates import Candidates
+    from lms.planning.minimum import smallest_plan
 
-    _, everything_out = Candidates(trace, spec, budget_bytes=2**40).require_feasible()
+    _, everything_out = smallest_plan(Candidates(trace, spec, budget_bytes=2**40))
     return (everything_out.peak_bytes + simulate(trace, None, spec).peak_bytes) // 2

@@ -11,6 +11,7 @@ import lms
 from lms.core.plan import Plan
 from lms.orchestration import cache
 from lms.planning.candidates import Candidates
+from lms.planning.minimum import smallest_plan
 from tests.planning.test_planners import Skips
 
 
@@ -73,7 +74,7 @@ def test_a_cached_plan_that_cannot_be_followed_is_tuned_again(tmp_path, caplog, 
 
 
 def _everything_out(trace, spec, budget_bytes, *, half=False):
-    return Candidates(trace, spec, budget_bytes, half).require_feasible()[0]
+    return smallest_plan(Candidates(trace, spec, budget_bytes, half))[0]
 
 
 def test_plans_for_another_budget_or_planner_are_kept_apart(tmp_path):

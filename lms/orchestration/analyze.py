@@ -243,8 +243,8 @@ def report_for(
 
             # everything a plan may move, as the smallest-memory plan moves it
             everything = range(len(trace.entries()))
-            checker = Candidates(trace, spec, budget, half=half, free_held=free_held)
-            plan = checker.plan(everything, ahead=1, sync_mode=3, source="infeasible")
+            candidates = Candidates(trace, spec, budget, half=half, free_held=free_held)
+            plan = candidates.plan(everything, ahead=1, sync_mode=3, source="infeasible")
         planned = simulate(trace, plan, spec, half=half)
         # Note [The first step prefetches in the traced order]: a plan handed to `LMS(plan=...)`
         # from here prefetches its first step as the simulation did.

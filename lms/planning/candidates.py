@@ -10,7 +10,6 @@ from lms.analysis.simulate import SimResult, simulate
 from lms.core.devices import DeviceSpec
 from lms.core.plan import Plan
 from lms.core.records import Trace
-from lms.planning.minimum import smallest_plan
 from lms.planning.spans import emptiable, host_spans, place_spill, replay_inputs
 
 __all__ = ["Candidates"]
@@ -22,7 +21,7 @@ log = logging.getLogger("lms.planning")
 class Candidates:
     """The candidate plans of one search, for one trace, device and budget: builds each plan
     (`plan`), simulates it once (`run`, Note [Each plan simulated once]), counts the distinct
-    plans simulated, and finds the smallest-memory plan (`require_feasible`)."""
+    plans simulated."""
 
     trace: Trace
     spec: DeviceSpec
@@ -30,9 +29,9 @@ class Candidates:
     half: bool = False
     simulations: int = 0
     refetch: frozenset[int] = frozenset()
-    """Entries read back per use in every plan that offloads them (set by `require_feasible`)."""
+    """Entries read back per use in every plan that offloads them (set by `smallest_plan`)."""
     relieved_junctions: frozenset[int] = frozenset()
-    """Gradient junctions relieved in every plan (set by `require_feasible`)."""
+    """Gradient junctions relieved in every plan (set by `smallest_plan`)."""
     free_held: bool = False
     """Whether plans empty what the step's code holds (Note [Emptying what the code holds])."""
 
@@ -136,8 +135,3 @@ class Candidates:
         return dataclasses.replace(
             plan, predicted_peak_bytes=result.peak_bytes, predicted_overhead=result.overhead
         )
-
-    def require_feasible(self, first: str = "relieve") -> tuple[Plan, SimResult]:
-        """The smallest-memory plan and its simulation (`lms.planning.minimum.smallest_plan`);
-        raises `PlanInfeasibleError` where even that does not fit."""
-        return smallest_plan(self, first)

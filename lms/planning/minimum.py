@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
 from lms.analysis.simulate import SimResult
 from lms.core.errors import PlanInfeasibleError
 from lms.core.plan import Plan
 from lms.core.units import format_bytes
+from lms.planning.candidates import Candidates
 from lms.planning.spans import emptiable
-
-if TYPE_CHECKING:
-    from lms.planning.candidates import Candidates
 
 __all__ = ["smallest_plan"]
 
@@ -75,7 +72,7 @@ def smallest_plan(candidates: Candidates, first: str = "relieve") -> tuple[Plan,
 
 def _free_held_hint(candidates: Candidates, needed: int) -> str:
     """What ``free_held`` would change, when it is off and the step's code holds saved
-    tensors past forward's last read of them (the end of `require_feasible`'s message)."""
+    tensors past forward's last read of them (the end of `smallest_plan`'s message)."""
     if candidates.free_held or not emptiable(candidates.trace):
         return ""
     freeing = dataclasses.replace(
@@ -86,7 +83,7 @@ def _free_held_hint(candidates: Candidates, needed: int) -> str:
         free_held=True,
     )
     try:
-        freeing.require_feasible()
+        smallest_plan(freeing)
         outcome = "with it the step fits this budget"
     except PlanInfeasibleError as error:
         if error.min_budget_bytes >= needed:

@@ -8,6 +8,7 @@ from lms.core.devices import DeviceSpec
 from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.planning.candidates import Candidates
+from lms.planning.minimum import smallest_plan
 from lms.planning.spans import entry_distances
 
 __all__ = ["tune_tflms"]
@@ -43,28 +44,28 @@ def tune_tflms(
     Raises:
         PlanInfeasibleError: when not even offloading everything fits.
     """
-    checker = Candidates(trace, spec, budget_bytes, half, free_held=free_held)
-    plain = checker.run(None)
-    if checker.fits(plain):
+    candidates = Candidates(trace, spec, budget_bytes, half, free_held=free_held)
+    plain = candidates.run(None)
+    if candidates.fits(plain):
         log.info("[LMS] [Simulator] LMS is not needed: the step fits in the budget")
-        return checker.finish(checker.plan((), source="tflms"), plain)
-    checker.require_feasible()
+        return candidates.finish(candidates.plan((), source="tflms"), plain)
+    smallest_plan(candidates)
     distance = entry_distances(trace)
     max_level = int(max((d for d in distance if d != float("inf")), default=1))
     state = {"threshold": 1, "ahead": 1, "groupby": 0, "sync": 0}
 
     def candidate(threshold: int, ahead: int, groupby: int, sync: int) -> Plan:
         chosen = [i for i, d in enumerate(distance) if d >= threshold]
-        return checker.plan(chosen, ahead=ahead + groupby, sync_mode=sync, source="tflms")
+        return candidates.plan(chosen, ahead=ahead + groupby, sync_mode=sync, source="tflms")
 
     logged: list[dict[str, int]] = []
 
     def passes(**change: int) -> bool:
         trial = {**state, **change}
-        result = checker.run(
+        result = candidates.run(
             candidate(trial["threshold"], trial["ahead"], trial["groupby"], trial["sync"])
         )
-        if not checker.fits(result):
+        if not candidates.fits(result):
             return False
         if trial not in logged:  # each set once, though a search may try it again
             logged.append(trial)
@@ -85,14 +86,14 @@ def tune_tflms(
             state["threshold"] = best
             break
     else:
-        plan, result = checker.require_feasible()
-        return checker.finish(plan, result)
+        plan, result = smallest_plan(candidates)
+        return candidates.finish(plan, result)
     if state["sync"] in (0, 1):  # sync modes 2 and 3 bring tensors back on demand only
         ahead = _largest_passing(1, 16, lambda a: passes(ahead=a))
         state["ahead"] = ahead or 1
         groupby = _largest_passing(0, max_level, lambda g: passes(groupby=g))
         state["groupby"] = groupby or 0
     plan = candidate(state["threshold"], state["ahead"], state["groupby"], state["sync"])
-    result = checker.run(plan)
-    log.info("[LMS] [Simulator] %d simulations", checker.simulations)
-    return checker.finish(plan, result)
+    result = candidates.run(plan)
+    log.info("[LMS] [Simulator] %d simulations", candidates.simulations)
+    return candidates.finish(plan, result)

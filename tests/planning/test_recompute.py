@@ -16,6 +16,7 @@ from lms.planning import plan_greedy
 from lms.planning.candidates import Candidates
 from lms.planning.greedy.polish import polish as _polish
 from lms.planning.greedy.shared import chains_with as _chains
+from lms.planning.minimum import smallest_plan
 from lms.runtime.recompute import checksum
 from tests.conftest import assert_bitwise, run_step
 from tests.planning.test_planners import small_spec
@@ -258,7 +259,7 @@ def test_planner_chains_convolutions_where_compute_is_cheap():
     trace = _trace(_resnet, [torch.randn(2, 3, 512, 512)])
     spec = dataclasses.replace(small_spec(), peak_flops=1e15)  # replays cost next to nothing
     plain = simulate(trace, None, spec)
-    _, floor = Candidates(trace, spec, plain.peak_bytes).require_feasible()
+    _, floor = smallest_plan(Candidates(trace, spec, plain.peak_bytes))
     budget = floor.peak_bytes + (plain.peak_bytes - floor.peak_bytes) // 20
     plan = plan_greedy(trace, spec, budget)
     found = recipes(trace)
@@ -309,7 +310,7 @@ def _halfway_plan():
     trace = _trace(_resnet, [torch.randn(2, 3, 128, 128)])
     spec = small_spec()
     plain = simulate(trace, None, spec)
-    _, floor = Candidates(trace, spec, plain.peak_bytes).require_feasible()
+    _, floor = smallest_plan(Candidates(trace, spec, plain.peak_bytes))
     budget = (floor.peak_bytes + plain.peak_bytes) // 2
     return trace, spec, budget, plan_greedy(trace, spec, budget)
 
@@ -413,10 +414,10 @@ def test_polishing_leaves_no_single_move_that_is_faster():
     trace = _trace(_resnet, [torch.randn(2, 3, 128, 128)])
     spec = dataclasses.replace(small_spec(), peak_flops=1e14)
     plain = simulate(trace, None, spec)
-    _, floor = Candidates(trace, spec, plain.peak_bytes).require_feasible()
+    _, floor = smallest_plan(Candidates(trace, spec, plain.peak_bytes))
     budget = (floor.peak_bytes + plain.peak_bytes) // 2
     checker = Candidates(trace, spec, budget)
-    start, _ = checker.require_feasible()  # everything offloaded: far from the best plan
+    start, _ = smallest_plan(checker)  # everything offloaded: far from the best plan
     start_s = checker.run(start).step_s
     plan = _polish(checker, start, start_s, lambda: False)
     result = checker.run(plan)
@@ -483,7 +484,7 @@ def test_copies_that_take_the_cores_cost_the_step_their_time_and_planners_move_l
     trace = _trace(_resnet, [torch.randn(2, 3, 128, 128)])
     spec = dataclasses.replace(small_spec(), d2h_gbps=32.0, h2d_gbps=32.0)
     plain = simulate(trace, None, spec)
-    _, floor = Candidates(trace, spec, plain.peak_bytes).require_feasible()
+    _, floor = smallest_plan(Candidates(trace, spec, plain.peak_bytes))
     budget = (floor.peak_bytes + plain.peak_bytes) // 2
     beside = plan_greedy(trace, spec, budget)
     assert beside.offload and not beside.recompute

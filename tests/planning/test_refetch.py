@@ -12,6 +12,7 @@ from lms.core.plan import Plan
 from lms.core.recipes import recipes
 from lms.planning import plan_auto, plan_greedy
 from lms.planning.candidates import Candidates
+from lms.planning.minimum import smallest_plan
 from tests.conftest import assert_bitwise, run_step
 from tests.planning.test_planners import small_spec
 
@@ -84,7 +85,7 @@ def test_planner_reads_back_per_use_only_when_holding_cannot_fit():
     assert not roomy.refetch
     checker = Candidates(trace, spec, low - 1)
     try:
-        checker.require_feasible()
+        smallest_plan(checker)
     except lms.core.errors.PlanInfeasibleError as error:
         assert error.min_budget_bytes == low
     else:
@@ -122,7 +123,7 @@ def test_auto_planner_searches_from_either_remedy_and_keeps_the_faster():
     assert reading.predicted_overhead < relieving.predicted_overhead
     assert plan_auto(trace, spec, budget).predicted_overhead == reading.predicted_overhead
     with pytest.raises(ValueError, match="first"):
-        Candidates(trace, spec, budget).require_feasible("both")
+        smallest_plan(Candidates(trace, spec, budget), "both")
 
 
 def test_runtime_reads_back_per_use_bitwise(spill_dir):

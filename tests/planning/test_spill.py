@@ -12,6 +12,7 @@ from lms.core.plan import Plan
 from lms.orchestration.tuning import check_offload_room
 from lms.planning import plan_greedy
 from lms.planning.candidates import Candidates
+from lms.planning.minimum import smallest_plan
 from lms.planning.spans import place_spill
 from tests.conftest import assert_bitwise, run_step
 from tests.planning.test_planners import Chain, small_spec, trace_of
@@ -29,7 +30,7 @@ def _short_of_host():
     trace = trace_of(Chain)
     spec = small_spec()
     plain = simulate(trace, None, spec)
-    _, floor = Candidates(trace, spec, plain.peak_bytes).require_feasible()
+    _, floor = smallest_plan(Candidates(trace, spec, plain.peak_bytes))
     roomy = plan_greedy(trace, spec, floor.peak_bytes)
     held = simulate(trace, roomy, spec)
     assert held.host_peak_bytes > 0 and not roomy.spill

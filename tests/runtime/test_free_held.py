@@ -17,6 +17,7 @@ from lms.core.units import format_bytes
 from lms.orchestration.local import local_device_spec
 from lms.planning import plan_auto
 from lms.planning.candidates import Candidates
+from lms.planning.minimum import smallest_plan
 from lms.planning.spans import emptiable
 from lms.runtime.disk import SpillStore
 from tests.conftest import assert_bitwise, hooks_are_gone, run_step, spill_files
@@ -74,7 +75,7 @@ def floors(model, x):
     found = []
     for free_held in (False, True):
         with pytest.raises(lms.PlanInfeasibleError) as info:
-            Candidates(trace, spec, 1, free_held=free_held).require_feasible()
+            smallest_plan(Candidates(trace, spec, 1, free_held=free_held))
         found.append(info.value.min_budget_bytes)
     return trace, found
 
@@ -89,11 +90,11 @@ def test_the_code_holds_the_batch_and_the_stems_output_past_their_last_reads():
     assert held < plain
     spec = local_device_spec(torch.device("cpu"))
     with pytest.raises(lms.PlanInfeasibleError, match="set free_held") as info:
-        Candidates(trace, spec, held).require_feasible()  # the refusal says free_held would fit
+        smallest_plan(Candidates(trace, spec, held))  # the refusal says free_held would fit
     assert info.value.min_budget_bytes == plain
     assert "with it the step fits this budget" in str(info.value)
     with pytest.raises(lms.PlanInfeasibleError) as info:
-        Candidates(trace, spec, 1).require_feasible()
+        smallest_plan(Candidates(trace, spec, 1))
     assert f"with it the step needs {format_bytes(held)}" in str(info.value)
 
 

@@ -19,6 +19,7 @@ from lms.core.plan import Plan
 from lms.orchestration.local import local_device_spec
 from lms.planning import plan_greedy
 from lms.planning.candidates import Candidates
+from lms.planning.minimum import smallest_plan
 from tests.conftest import assert_bitwise, run_step, spill_files
 
 MODEL = textwrap.dedent(
@@ -127,7 +128,7 @@ def test_planner_relieves_junctions_only_when_nothing_else_fits():
     assert simulate(trace, plan, spec).peak_bytes <= low
     assert not plan_greedy(trace, spec, high).relieved_junctions
     with pytest.raises(PlanInfeasibleError) as caught:
-        Candidates(trace, spec, low - 1).require_feasible()
+        smallest_plan(Candidates(trace, spec, low - 1))
     assert caught.value.min_budget_bytes <= low
     assert Plan.from_json(plan.to_json()) == plan
 

@@ -63,6 +63,7 @@ CHAINS = COMMON + textwrap.dedent(
     from lms.core.recipes import recipes
     from lms.planning import plan_greedy
     from lms.planning.candidates import Candidates
+    from lms.planning.minimum import smallest_plan
     model, x = conv_stack(640, lambda: [torch.nn.BatchNorm2d(32), torch.nn.ReLU(inplace=True)])
     trace = trace_step(model, [x], step, device="cpu")
     # a device whose convolutions are fast next to its copies: replaying beats moving, whatever
@@ -76,7 +77,7 @@ CHAINS = COMMON + textwrap.dedent(
     )
     plain = simulate(trace, None, spec)
     try:
-        Candidates(trace, spec, 1).require_feasible()
+        smallest_plan(Candidates(trace, spec, 1))
     except lms.PlanInfeasibleError as error:
         floor = error.min_budget_bytes
     plan = plan_greedy(trace, spec, floor + (plain.peak_bytes - floor) // 10)

@@ -29,6 +29,7 @@ from lms.planning.candidates import Candidates
 from lms.planning.greedy.restarts import restart
 from lms.planning.greedy.search import Search
 from lms.planning.greedy.shared import VARIANTS
+from lms.planning.minimum import smallest_plan
 
 __all__ = ["VARIANTS", "plan_greedy"]
 
@@ -52,8 +53,8 @@ def plan_greedy(
     core for ResNet50, GoogLeNet or a 3D U-Net under 32 GiB; at seven of the sweeps' hardest
     points twice as many found plans faster by 0.3 points of overhead at most. ``first`` is the
     remedy tried first where offloading everything alone does not fit
-    (`Candidates.require_feasible`). ``free_held``: plans may empty what the step's code holds
-    (Note [Emptying what the code holds]).
+    (`lms.planning.minimum.smallest_plan`). ``free_held``: plans may empty what the step's code
+    holds (Note [Emptying what the code holds]).
 
     Raises:
         PlanInfeasibleError: when not even offloading everything fits.
@@ -62,7 +63,7 @@ def plan_greedy(
     plain = candidates.run(None)
     if candidates.fits(plain):
         return candidates.finish(candidates.plan((), source="planner"), plain)
-    minimum_plan, minimum = candidates.require_feasible(first)
+    minimum_plan, minimum = smallest_plan(candidates, first)
     search = Search(candidates, half=half, max_simulations=max_simulations)
     found = search.best()
     if found is None:

@@ -297,6 +297,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_OUTPUTS = ("json", "plot", "snapshot", "memory_snapshot")
+"""The options that name a file the command writes."""
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any work starts, an output file that cannot be written: its folder is
+    missing or not writable, or it names a folder or a file that cannot be written."""
+    for option in _OUTPUTS:
+        path = getattr(args, option, None)
+        if not path or path in ("-", "/dev/stdout", "/dev/stderr"):
+            continue
+        flag = "--" + option.replace("_", "-")
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise ValueError(f"lms: {flag} {path!r} is a folder; name a file to write")
+        if not os.path.isdir(folder):
+            raise ValueError(
+                f"lms: {flag} {path!r}: the folder {folder!r} does not exist; create it or "
+                "name a file in an existing folder"
+            )
+        writable = os.access(path, os.W_OK) if os.path.exists(path) else os.access(folder, os.W_OK)
+        if not writable:
+            raise ValueError(
+                f"lms: {flag} {path!r} cannot be written (permission denied); name a file "
+                "in a folder you can write"
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lms`` command."""
     args = build_parser().parse_args(argv)
@@ -313,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             args.batch_size = zoo_model(args.model).min_batch
         os.makedirs(getattr(args, "out", ".") or ".", exist_ok=True)
+        _check_outputs(args)
         return int(args.run(args))
     except (LMSError, ValueError) as error:
         if not str(error).startswith("lms:"):  # not one of ours: a bug, with its traceback

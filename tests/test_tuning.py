@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lms.core.errors import SpillError
-from lms.orchestration import local, rates
+from lms.orchestration import local, rates, tuning
 
 
 def test_local_spec_measures_each_gpu_once_per_tf32_setting(monkeypatch):
@@ -179,7 +179,7 @@ def test_the_first_step_prefetches_in_the_order_the_trace_read(spill_dir, monkey
     trace = trace_step(model, [x], step, device="cpu", min_offload_bytes=0)
     # copies beside compute (a core to spare for them), where moving beats replaying
     beside = dataclasses.replace(device_spec("cpu"), copies_take_compute=False)
-    monkeypatch.setattr(local, "local_device_spec", lambda device: beside)
+    monkeypatch.setattr(tuning, "local_device_spec", lambda device: beside)
     with pytest.raises(lms.PlanInfeasibleError) as info:
         lms.LMS(budget=1, min_offload_bytes=0).tune(model, [x], step)
     budget = info.value.min_budget_bytes + simulate(trace, None, device_spec("cpu")).peak_bytes

@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lms.analysis.recorder import Recorder
@@ -72,6 +73,25 @@ def _refuse_sharded(model: torch.nn.Module, name: str) -> None:
             )
 
 
+def _refuse_lazy(model: torch.nn.Module) -> None:
+    """Refuse a model whose lazy modules have not made their parameters yet.
+
+    A lazy module (`torch.nn.LazyLinear`) makes them at its first call, in place, and then
+    changes its class and drops its hooks: traced, that first call would happen under fake
+    tensors and leave the model changed for good. The runtime itself takes such a model; only
+    tracing needs it whole first.
+    """
+    for name, module in model.named_modules():
+        uninitialized = getattr(module, "has_uninitialized_params", None)
+        if isinstance(module, LazyModuleMixin) and callable(uninitialized) and uninitialized():
+            raise UnplannableStepError(
+                f"lms: {type(model).__name__}.{name} ({type(module).__name__}) is a lazy module "
+                "that has not made its parameters yet, and a trace cannot make them; run one "
+                "step (or one forward) before tuning, or use lms.LMS without tune for the first "
+                "step"
+            )
+
+
 def _build(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
     fake_mode: FakeTensorMode,
@@ -86,6 +106,7 @@ def _build(
     built for real instead.
     """
     if isinstance(model, torch.nn.Module):
+        _refuse_lazy(model)
         return model, True
     try:
         with fake_mode, torch.device(target):

@@ -97,6 +97,11 @@ class LMSConfig:
             raise ValueError(f"lms: free_held={self.free_held!r} is not True or False")
         if self.spill_dir is not None and not isinstance(self.spill_dir, (str, os.PathLike)):
             raise ValueError(f"lms: spill_dir={self.spill_dir!r} is not a path")
+        if self.spill_dir is not None and not os.fspath(self.spill_dir):
+            raise ValueError(
+                "lms: spill_dir='' names no folder; pass a folder, or None for the system's "
+                "temporary folder"
+            )
 
     @property
     def budget_bytes(self) -> int | None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = [
@@ -135,17 +136,21 @@ class Keep:
         """Every parameter and buffer of ``model`` stays: also those a step reads without
         calling their module (a frozen attention's out_proj.weight, read by the functional op)."""
         tensors = [*model.parameters(), *model.buffers()]
+        lazy = [tensor for tensor in tensors if is_lazy(tensor)]
+        tensors = [tensor for tensor in tensors if not is_lazy(tensor)]
         for tensor in tensors:
             self.fixed_ptrs.update(_storage_ptrs(tensor))
         self.host_weights.update(distinct_storages(tensors, device_type="cpu"))
-        self.models += 1
+        # A lazy module's parameters have no storage until its first call makes them: the
+        # model is not known whole, and each module call notes its parameters as it runs.
+        self.models += not lazy
 
     def note_module(self, module: torch.nn.Module, args: object) -> None:
         """A forward pre-hook: the parameters and buffers of the module about to run stay."""
         # Runs before every module call: the tables directly, not parameters()'s generators.
         for table in (module._parameters, module._buffers):
             for tensor in table.values():
-                if tensor is None:
+                if tensor is None or is_lazy(tensor):
                     continue
                 if is_plain(tensor):
                     self.fixed_ptrs.add(tensor.untyped_storage().data_ptr())
@@ -225,7 +230,7 @@ def distinct_storages(
     among ``values``, a subclass that wraps others by theirs; on ``device_type`` only, if given."""
     found: dict[tuple[torch.device, int], int] = {}
     for value in values:
-        if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        if not isinstance(value, torch.Tensor) or value.layout != torch.strided or is_lazy(value):
             continue
         if device_type is None or value.device.type == device_type:
             found.update(((s.device, s.data_ptr()), s.nbytes()) for s in _storages(value))

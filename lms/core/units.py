@@ -3,6 +3,7 @@ to the host pool's buckets."""
 
 from __future__ import annotations
 
+import math
 import re
 
 __all__ = [
@@ -58,6 +59,11 @@ def parse_bytes(value: int | float | str, *, field: str = "size", positive: bool
     else:
         raise ValueError(
             f"lms: {field}={value!r} is not a size; give bytes or a string like '10GiB'"
+        )
+    if not math.isfinite(number):
+        raise ValueError(
+            f"lms: {field}={value!r} is not a size; give a finite number of bytes or a string "
+            "like '10GiB'"
         )
     if number < 0:
         raise ValueError(f"lms: {field}={value!r} must be >= 0 bytes")

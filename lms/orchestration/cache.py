@@ -72,9 +72,16 @@ def cache_path(folder: str, trace: Trace, budget_bytes: int, setting: Sequence[o
 # release (or written by hand, or cut short) may name other tensors or no longer fit. One
 # simulation, far cheaper than tuning, tells; a plan that fails is tuned again, never followed.
 def load_cached(
-    path: str, trace: Trace, spec: DeviceSpec, budget_bytes: int, *, half: bool = False
+    path: str,
+    trace: Trace,
+    spec: DeviceSpec,
+    budget_bytes: int,
+    *,
+    half: bool = False,
+    free_held: bool = False,
 ) -> Plan | None:
-    """The plan kept at ``path`` if there is one and it still fits; None to tune again."""
+    """The plan kept at ``path`` if there is one, made for the settings in force (``free_held``)
+    and still fitting; None to tune again."""
     if not os.path.exists(path):
         return None
     try:
@@ -90,6 +97,13 @@ def load_cached(
             path,
             plan.num_entries,
             entries,
+        )
+        return None
+    if plan.free_held and not free_held:
+        log.warning(
+            "[LMS] Tuning again: the cached plan %s empties tensors the step's code holds, and "
+            "free_held is off",
+            path,
         )
         return None
     peak = simulate(trace, plan, spec, half=half).peak_bytes

@@ -88,7 +88,7 @@ def tune_plan(
     chooser = getattr(choose, "__qualname__", type(choose).__qualname__)
     setting = (where, __version__, planner_code(), half, chooser, *(["free_held"] * free_held))
     path = cache_path(cache_folder(cache_dir), trace, budget, setting)
-    loaded = load_cached(path, trace, spec, budget, half=half)
+    loaded = load_cached(path, trace, spec, budget, half=half, free_held=free_held)
     if loaded is not None:
         plan = loaded
     else:

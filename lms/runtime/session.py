@@ -85,6 +85,12 @@ class LMS:
                 f"lms: the plan sends {len(plan.spill)} tensors to spill files but tier='host'; "
                 "use tier='auto', or tune with tier='host' for a plan that stays in host memory"
             )
+        if plan is not None and plan.free_held and not self.config.free_held:
+            raise ValueError(
+                f"lms: the plan empties {len(plan.free_held)} tensors the step's code holds "
+                "(Plan.free_held) but free_held is off; pass free_held=True, or a plan made "
+                "without it"
+            )
         self._follow = Follow(self.config, plan)
         host_limit = self.config.host_budget
         if host_limit is None:
@@ -679,6 +685,19 @@ class LMS:
             format_bytes(budget - start - allowance),
             format_bytes(max(allowance, 0)),
         )
+        floor = budget - allowance  # what the step started from, and the running op's room
+        held = self.stats.peak_resident_saved_bytes
+        if allowance < 0 or held > allowance:
+            log.warning(
+                "[LMS] The budget of %s did not hold this step without a plan: it needs at "
+                "least %s (%s it started from and kept free for the running op, and %s of saved "
+                "tensors that stayed on the device); raise the budget to that, or tune a plan "
+                "(LMS.tune) that offloads or recomputes more",
+                format_bytes(budget),
+                format_bytes(floor + held),
+                format_bytes(floor),
+                format_bytes(held),
+            )
 
     @property
     def spill_folder(self) -> str | None:

@@ -1,0 +1,71 @@
+"""Bad input is refused before any work starts, with an error that names the input and the fix."""
+
+import logging
+import os
+
+import pytest
+import torch
+
+import lms
+from lms.cli import main
+from lms.core.plan import Plan
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "words"),
+    [
+        ("--json", "missing-folder/out.json", "does not exist"),
+        ("--plot", ".", "is a folder"),
+        ("--snapshot", "missing-folder/s.pickle", "does not exist"),
+    ],
+)
+def test_an_output_that_cannot_be_written_is_refused_before_the_analysis(
+    option, value, words, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    import lms.orchestration.analyze as analyze
+
+    ran = []
+    monkeypatch.setattr(analyze, "analyze", lambda *a, **k: ran.append(1))
+    rc = main(["analyze", "--model", "tinylm", "--image-size", "64", option, value])
+    assert rc == 2 and not ran
+    assert words in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_an_output_in_a_folder_without_write_permission_is_refused(tmp_path, capsys):
+    folder = tmp_path / "locked"
+    folder.mkdir(mode=0o500)
+    rc = main(["analyze", "--model", "tinylm", "--image-size", "64", "--json", f"{folder}/t.json"])
+    assert rc == 2 and "cannot be written" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["budget", "host_budget"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_size_that_is_not_finite_names_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"lms: {field}=.* is not a size"):
+        lms.LMS(**{field: value})
+
+
+def test_an_empty_spill_dir_is_refused():
+    with pytest.raises(ValueError, match="spill_dir='' names no folder"):
+        lms.LMS(spill_dir="")
+
+
+def test_a_plan_that_empties_held_tensors_needs_free_held():
+    plan = Plan(fingerprint="x", offload=(0,), num_entries=2, free_held=(0,), free_held_at=(3,))
+    with pytest.raises(ValueError, match="free_held is off"):
+        lms.LMS(plan=plan)
+    lms.LMS(plan=plan, free_held=True)
+
+
+def test_a_budget_that_does_not_hold_without_a_plan_warns_with_the_minimum(spill_dir, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    offload = lms.LMS(budget="64KiB", tier="disk", spill_dir=spill_dir)
+    with caplog.at_level(logging.WARNING, logger="lms"):
+        for _ in range(2):
+            with offload:
+                model(torch.randn(512, 256)).sum().backward()
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("did not hold this step" in m and "needs at least" in m for m in warned), warned

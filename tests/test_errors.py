@@ -69,3 +69,35 @@ def test_a_budget_that_does_not_hold_without_a_plan_warns_with_the_minimum(spill
                 model(torch.randn(512, 256)).sum().backward()
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("did not hold this step" in m and "needs at least" in m for m in warned), warned
+
+
+def test_a_corrupt_image_under_data_is_named(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from lms.harness.train import load_images
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for i in range(2):
+            pixels = (np.random.default_rng(i).random((40, 40, 3)) * 255).astype("uint8")
+            Image.fromarray(pixels).save(tmp_path / name / f"{i}.png")
+    bad = tmp_path / "b" / "bad.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"not an image" * 8)
+    with pytest.raises(ValueError, match=r"--data image .*bad\.png.* cannot be read.*remove"):
+        load_images(str(tmp_path), "resnet50", 32, 5)  # every image, the bad one among them
+
+
+def test_the_spill_reserve_is_stated_and_configurable(spill_dir):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+    everything = {"tier": "disk", "spill_dir": spill_dir, "swapout_threshold": 1}
+    offload = lms.LMS(spill_reserve="1000TiB", **everything)
+    with pytest.raises(lms.SpillError, match=r"1000\.00 TiB it keeps free \(spill_reserve\)"):
+        with offload:
+            model(torch.randn(512, 256)).sum().backward()
+    with lms.LMS(spill_reserve=0, **everything) as offload:
+        model(torch.randn(512, 256)).sum().backward()
+    assert offload.stats.offloaded_tensors > 0
+    with pytest.raises(ValueError, match="spill_reserve"):
+        lms.LMS(spill_reserve="lots")

@@ -60,6 +60,9 @@ class LMSConfig:
     """Saved tensors smaller than this stay on the device; -1: automatic (256 KiB)."""
     spill_dir: str | None = None
     """Folder for spill files; None: the system's temporary folder."""
+    spill_reserve: int | str = 64 * 1024**2
+    """Free space a spill folder keeps beyond the spill files, for the rest of the system: a
+    write that would leave less raises `SpillError` (default 64 MiB)."""
     host_budget: int | str | None = None
     """Host memory that offloaded data may hold; None: half of the memory available at start.
     With tier "auto" the rest overflows to disk; with tier "host" it is an error."""
@@ -78,6 +81,9 @@ class LMSConfig:
             object.__setattr__(
                 self, "host_budget", parse_bytes(self.host_budget, field="host_budget")
             )
+        object.__setattr__(
+            self, "spill_reserve", parse_bytes(self.spill_reserve, field="spill_reserve")
+        )
         if isinstance(self.min_offload_bytes, str):
             object.__setattr__(
                 self,

@@ -364,6 +364,17 @@ def load_images(folder: str, model: str, size: int, batch_size: int) -> list[tor
             f"lms: --data {folder} holds {len(dataset)} images, fewer than the batch size "
             f"{batch_size}; add images or lower --batch-size"
         )
-    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
-    images, labels = next(iter(loader))
+    order = torch.randperm(len(dataset))[:batch_size].tolist()
+    samples = []
+    for index in order:
+        path = dataset.samples[index][0]
+        try:
+            samples.append(dataset[index])
+        except (OSError, ValueError, SyntaxError) as error:  # PIL's errors for a bad image
+            raise ValueError(
+                f"lms: --data image {path!r} cannot be read ({type(error).__name__}: "
+                f"{str(error).rstrip('.')}); remove or replace it"
+            ) from None
+    images = torch.stack([image for image, _ in samples])
+    labels = torch.tensor([label for _, label in samples])
     return [images, labels]

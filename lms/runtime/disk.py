@@ -179,8 +179,9 @@ class SpillStore:
     [Spill files have no name]), each checked as it is read back (Note [Spill files are checked
     when read back])."""
 
-    def __init__(self, spill_dir: str | None):
+    def __init__(self, spill_dir: str | None, *, reserve_bytes: int = RESERVE_FREE_BYTES):
         self.root = check_spill_dir(spill_dir)
+        self.reserve_bytes = reserve_bytes
         self._swept = False
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lms-io")
@@ -210,13 +211,14 @@ class SpillStore:
             self._swept = True
             remove_stale_folders(self.root)
         free = shutil.disk_usage(self.root).free
-        if free < nbytes + RESERVE_FREE_BYTES:
+        if free < nbytes + self.reserve_bytes:
             raise SpillError(
                 f"lms: the spill folder {self.root!r} has {format_bytes(free)} free, too little "
                 f"for {format_bytes(nbytes)} more of offloaded data beside the "
-                f"{format_bytes(RESERVE_FREE_BYTES)} a spill folder keeps free "
+                f"{format_bytes(self.reserve_bytes)} it keeps free (spill_reserve) "
                 f"(already {format_bytes(self.bytes_on_disk)} on disk); "
-                "pass a spill_dir with more room, raise the budget or lower the batch size"
+                "pass a spill_dir with more room, lower spill_reserve, raise the budget or "
+                "lower the batch size"
             )
         self.bytes_on_disk += nbytes
         self.peak_bytes_on_disk = max(self.peak_bytes_on_disk, self.bytes_on_disk)

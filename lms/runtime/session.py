@@ -99,6 +99,7 @@ class LMS:
             tier=self.config.tier,
             host_limit_bytes=int(host_limit),
             spill_dir=self.config.spill_dir,
+            spill_reserve_bytes=int(self.config.spill_reserve),
             sync_out=self.config.sync_out
             or (plan is not None and SyncMode(plan.sync_mode).waits_out),
         )

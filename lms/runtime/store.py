@@ -15,7 +15,7 @@ import torch
 
 from lms.core.errors import HostMemoryError, StepAbortedError
 from lms.core.units import format_bytes
-from lms.runtime.disk import SpillStore
+from lms.runtime.disk import RESERVE_FREE_BYTES, SpillStore
 from lms.runtime.pool import HostPool
 
 __all__ = ["Entry", "Offloader"]
@@ -104,10 +104,12 @@ class Offloader:
         host_limit_bytes: int,
         spill_dir: str | None,
         sync_out: bool,
+        spill_reserve_bytes: int = RESERVE_FREE_BYTES,
     ):
         self.tier = tier
         self.host_limit_bytes = host_limit_bytes
         self.spill_dir = spill_dir
+        self.spill_reserve_bytes = spill_reserve_bytes
         self.sync_out = sync_out
         self._pool: HostPool | None = None
         self._disk: SpillStore | None = None
@@ -130,7 +132,7 @@ class Offloader:
 
     def _disk_store(self) -> SpillStore:
         if self._disk is None:
-            self._disk = SpillStore(self.spill_dir)
+            self._disk = SpillStore(self.spill_dir, reserve_bytes=self.spill_reserve_bytes)
         return self._disk
 
     def _engine_for(self, device: torch.device) -> Any:

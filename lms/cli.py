@@ -1,4 +1,7 @@
-"""The ``lms`` command: analyze a zoo model, run the demo."""
+"""The ``lms`` command: analyze, sweep, train and bench zoo models, run the demo.
+
+Logs go to standard error, so that ``--json /dev/stdout`` can be parsed; the exit codes are
+`EXIT_CODES`."""
 
 from __future__ import annotations
 
@@ -13,10 +16,23 @@ from typing import Any
 
 import torch
 
-from lms.core.errors import LMSError
+from lms.core.errors import LMSError, PlanInfeasibleError
 from lms.core.units import parse_bytes
+from lms.core.version import __version__
 
-__all__ = ["main"]
+__all__ = ["EXIT_CODES", "main"]
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_NO_PLAN = 3
+EXIT_ALL_RUNS_FAILED = 4
+EXIT_CODES = {
+    EXIT_OK: "the step fits, or a plan fits; the command did what it was asked",
+    EXIT_BAD_INPUT: "bad input (an option, a model, a file), refused before any work",
+    EXIT_NO_PLAN: "no plan fits the budget: the step needs more memory even with LMS",
+    EXIT_ALL_RUNS_FAILED: "bench: every run failed",
+}
+"""What the command's exit status says."""
 
 log = logging.getLogger("lms.cli")
 
@@ -50,6 +66,10 @@ def _seconds(text: str) -> float:
     return value
 
 
+_MODEL_HELP = "zoo model (resnet50, googlenet, deeplabv3, unet3d, tinylm) or package.module:builder"
+_AMP_HELP = "bfloat16 autocast"
+_SPEC_HELP = "device spec to simulate (see lms.analysis.DEVICES; default v100-32gb)"
+_JSON_HELP = "write the results here as JSON (with the lms and torch versions)"
 _FREE_HELD_HELP = (
     "let the plan empty tensors the step's code holds but no longer reads (the input batch), "
     "filled again in place for backward"
@@ -75,8 +95,10 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _write_json(path: str, result: dict[str, Any]) -> None:
+    """``result`` as JSON at ``path``, with the versions that made it (`json_schema`)."""
+    versions = {"lms_version": __version__, "torch_version": torch.__version__}
     with open(path, "w") as out:
-        json.dump(result, out, indent=2)
+        json.dump({**versions, **result}, out, indent=2)
 
 
 def _write(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[str], None]) -> None:
@@ -117,7 +139,7 @@ def _analyze(args: argparse.Namespace) -> int:
     if args.snapshot:
         report.save_snapshot(args.snapshot)
         log.info("[LMS] wrote %s (open it at pytorch.org/memory_viz)", args.snapshot)
-    return 0
+    return EXIT_OK if report.fits else EXIT_NO_PLAN
 
 
 def _sweep(args: argparse.Namespace) -> int:
@@ -139,7 +161,6 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from lms.core.errors import PlanInfeasibleError
     from lms.harness.train import load_images, train
 
     data = (
@@ -163,11 +184,10 @@ def _train(args: argparse.Namespace) -> int:
         )
     except PlanInfeasibleError as error:
         print(error, file=sys.stderr)
-        return 2
+        return EXIT_NO_PLAN
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump(dataclasses.asdict(result), out, indent=2)
-    return 0
+        _write_json(args.json, dataclasses.asdict(result))
+    return EXIT_OK
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -189,7 +209,11 @@ def _bench(args: argparse.Namespace) -> int:
     for method, size in result["largest_size"].items():
         log.info("[LMS] largest size reached by %s: %s", method, size)
     _write(args, result, lambda path: plot_bench(result, path))
-    return 0
+    ran = [point for point in result["points"] if point.get("ok") is not None]
+    if ran and not any(point.get("ok") for point in ran):
+        log.error("[LMS] every run failed; the first: %s", ran[0].get("error"))
+        return EXIT_ALL_RUNS_FAILED
+    return EXIT_OK
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -202,8 +226,19 @@ def _demo(args: argparse.Namespace) -> int:
 # Long by design: a declarative list of the command's options, one call each.
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``lms`` command."""
-    parser = argparse.ArgumentParser(prog="lms", description="Large Model Support for PyTorch")
-    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings")
+    codes = "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items())
+    parser = argparse.ArgumentParser(
+        prog="lms",
+        description="Large Model Support for PyTorch",
+        epilog=f"exit status:\n{codes}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="only warnings and errors; no progress bars"
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"lms {__version__} (torch {torch.__version__})"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     analyze = commands.add_parser("analyze", help="trace a step with fake tensors and simulate")
@@ -224,16 +259,18 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.set_defaults(run=_analyze)
 
     sweep = commands.add_parser("sweep", help="grow the image edge until the step cannot fit")
-    sweep.add_argument("--model", required=True)
+    sweep.add_argument("--model", required=True, help=_MODEL_HELP)
     sweep.add_argument("--gpu-memory", required=True, help="e.g. 32GiB")
     sweep.add_argument("--step", type=_count, required=True, help="edge increment")
     sweep.add_argument("--start", type=_count, default=None, help="first edge (default: --step)")
-    sweep.add_argument("--max-size", type=_count, default=None)
+    sweep.add_argument(
+        "--max-size", type=_count, default=None, help="last edge tried (default: no limit)"
+    )
     sweep.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
-    sweep.add_argument("--amp", action="store_true")
-    sweep.add_argument("--device-spec", default="v100-32gb")
-    sweep.add_argument("--json")
-    sweep.add_argument("--plot")
+    sweep.add_argument("--amp", action="store_true", help=_AMP_HELP)
+    sweep.add_argument("--device-spec", default="v100-32gb", help=_SPEC_HELP)
+    sweep.add_argument("--json", help=_JSON_HELP)
+    sweep.add_argument("--plot", help="write the graph of both limits (PNG) here")
     sweep.add_argument("--free-held", action="store_true", help=_FREE_HELD_HELP)
     sweep.set_defaults(run=_sweep)
 
@@ -245,14 +282,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         help="on a CPU, from 3 on, the second step's memory is sampled and the later ones timed",
     )
-    train.add_argument("--lms", action=argparse.BooleanOptionalAction, default=True)
+    train.add_argument(
+        "--lms",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="train under LMS (--no-lms: plain PyTorch, to compare)",
+    )
     train.add_argument("--budget", default=None, help="device memory for the step, e.g. 32GiB")
-    train.add_argument("--tier", default="auto", choices=["auto", "host", "disk"])
+    train.add_argument(
+        "--tier",
+        default="auto",
+        choices=["auto", "host", "disk"],
+        help="where offloaded data goes: host memory from a GPU, else disk (auto)",
+    )
     train.add_argument(
         "--host-budget", default=None, help="host memory offloaded data may hold, e.g. 100GiB"
     )
     train.add_argument("--data", default=None, help="folder of images (one subfolder a class)")
-    train.add_argument("--json")
+    train.add_argument("--json", help=_JSON_HELP)
     train.add_argument("--free-held", action="store_true", help=_FREE_HELD_HELP)
     train.add_argument(
         "--memory-snapshot",
@@ -263,9 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(run=_train)
 
     bench = commands.add_parser("bench", help="measure LMS beside the peers over sizes")
-    bench.add_argument("--model", required=True)
+    bench.add_argument("--model", required=True, help=_MODEL_HELP)
     bench.add_argument("--sizes", type=_counts, required=True, help="comma-separated edges")
-    bench.add_argument("--budget", default=None)
+    bench.add_argument("--budget", default=None, help="device memory each run may use, e.g. 32GiB")
     bench.add_argument(
         "--methods",
         default="none,lms,save_on_cpu,checkpoint",
@@ -279,20 +326,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--repeats", type=_count, default=1, help="runs of each method a size, in rotated order"
     )
-    bench.add_argument("--amp", action="store_true")
+    bench.add_argument("--amp", action="store_true", help=_AMP_HELP)
     bench.add_argument(
         "--time-limit", type=_seconds, default=None, help="seconds after which no run starts"
     )
     bench.add_argument(
         "--run-timeout", type=_seconds, default=900, help="seconds before one run is stopped"
     )
-    bench.add_argument("--json")
-    bench.add_argument("--plot")
+    bench.add_argument("--json", help=_JSON_HELP)
+    bench.add_argument("--plot", help="write the graph of rate against size (PNG) here")
     bench.set_defaults(run=_bench)
 
     demo = commands.add_parser("demo", help="analyze, then train past the budget with LMS")
     demo.add_argument("--out", default="out/demo", help="folder for the plot and snapshot")
-    demo.add_argument("--steps", type=_count, default=3)
+    demo.add_argument("--steps", type=_count, default=3, help="training steps (default 3)")
     demo.set_defaults(run=_demo)
     return parser
 
@@ -325,14 +372,32 @@ def _check_outputs(args: argparse.Namespace) -> None:
             )
 
 
+def _check_extras(args: argparse.Namespace) -> None:
+    """Refuse, before any work, what needs an optional package that is not installed."""
+    from lms.core.extras import require
+
+    if getattr(args, "plot", None) or args.command == "demo":
+        require("matplotlib", for_what="--plot" if args.command != "demo" else "lms demo")
+    if getattr(args, "data", None):
+        require("torchvision", for_what="--data")
+    if args.command == "demo":
+        require("torchvision", for_what="lms demo (ResNet50)")
+    if getattr(args, "model", None) is not None:
+        from lms.harness.zoo import zoo_model
+
+        zoo_model(args.model)  # its packages
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lms`` command."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING if args.quiet else logging.INFO,
         format="%(message)s",
-        stream=sys.stdout,
+        stream=sys.stderr,
     )
+    if args.quiet:
+        os.environ["TQDM_DISABLE"] = "1"  # tqdm reads it as each bar starts
     try:
         if getattr(args, "gpu_memory", None) is not None:
             parse_bytes(args.gpu_memory, field="--gpu-memory", positive=True)
@@ -342,12 +407,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.batch_size = zoo_model(args.model).min_batch
         os.makedirs(getattr(args, "out", ".") or ".", exist_ok=True)
         _check_outputs(args)
+        _check_extras(args)
         return int(args.run(args))
+    except PlanInfeasibleError as error:  # the budget is below what the step needs with LMS
+        print(error, file=sys.stderr)
+        return EXIT_NO_PLAN
     except (LMSError, ValueError) as error:
         if not str(error).startswith("lms:"):  # not one of ours: a bug, with its traceback
             raise
         print(error, file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

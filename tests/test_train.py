@@ -107,7 +107,7 @@ def test_cli_train_infeasible_budget_fails_before_training(capsys):
             "1MiB",
         ]
     )
-    assert code == 2
+    assert code == 3  # EXIT_NO_PLAN
     assert "raise the budget" in capsys.readouterr().err
 
 

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from lms.core.extras import require
+
 __all__ = ["ZooModel", "ZOO", "zoo_model", "TinyLM"]
 
 
@@ -35,6 +37,18 @@ class ZooModel:
     classifies_images: bool = False
     """Whether it classifies 3-channel images into 1000 classes, so that a folder of labelled
     images (``lms train --data``) can feed it."""
+
+    needs: tuple[str, ...] = ()
+    """Optional packages it is built from (`lms.core.extras`)."""
+
+    def check_installed(self) -> None:
+        """Refuse, before any work, a model whose packages are missing, naming the extra.
+
+        Raises:
+            MissingExtraError: a package in `needs` is not installed.
+        """
+        for package in self.needs:
+            require(package, for_what=f"the zoo model {self.name}")
 
     def check_batch(self, batch_size: int) -> None:
         """Refuse a batch the model cannot train on, before anything is built.
@@ -141,7 +155,9 @@ def _tokens(size: int, batch: int) -> Sequence[torch.Tensor]:
     return [torch.randint(0, 32000, (batch, size)), torch.randint(0, 32000, (batch, size))]
 
 
-def _classifier(name: str, build: Callable[[], torch.nn.Module]) -> ZooModel:
+def _classifier(
+    name: str, build: Callable[[], torch.nn.Module], *, needs: tuple[str, ...] = ()
+) -> ZooModel:
     """An image classifier: 3 channels in, 1000 classes out, trained at 224 px by default."""
     return ZooModel(
         name,
@@ -152,14 +168,15 @@ def _classifier(name: str, build: Callable[[], torch.nn.Module]) -> ZooModel:
         224,
         _classify_step,
         classifies_images=True,
+        needs=needs,
     )
 
 
 ZOO: dict[str, ZooModel] = {
     model.name: model
     for model in (
-        _classifier("resnet50", _resnet50),
-        _classifier("googlenet", _googlenet),
+        _classifier("resnet50", _resnet50, needs=("torchvision",)),
+        _classifier("googlenet", _googlenet, needs=("torchvision",)),
         ZooModel(
             "deeplabv3",
             _deeplabv3,
@@ -171,8 +188,18 @@ ZOO: dict[str, ZooModel] = {
             min_batch=2,
             min_batch_reason="the BatchNorm after its image pooling sees one value per channel "
             "in a sample, and training mode needs more than one",
+            needs=("torchvision",),
         ),
-        ZooModel("unet3d", _unet3d, _volumes, "voxels", lambda s: s**3, 96, _classify_step),
+        ZooModel(
+            "unet3d",
+            _unet3d,
+            _volumes,
+            "voxels",
+            lambda s: s**3,
+            96,
+            _classify_step,
+            needs=("monai",),
+        ),
         ZooModel("tinylm", TinyLM, _tokens, "tokens", lambda s: s, 2048, _lm_step),
     )
 }
@@ -189,6 +216,7 @@ def zoo_model(name: str) -> ZooModel:
             imported.
     """
     if name in ZOO:
+        ZOO[name].check_installed()
         return ZOO[name]
     if ":" not in name:
         raise ValueError(

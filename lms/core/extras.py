@@ -1,0 +1,34 @@
+"""Optional packages and the extra of ``large-model-support`` that installs each."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from lms.core.errors import LMSError
+
+__all__ = ["EXTRAS", "MissingExtraError", "require"]
+
+EXTRAS = {
+    "torchvision": "zoo",
+    "monai": "zoo",
+    "matplotlib": "plot",
+    "lightning": "lightning",
+    "transformers": "transformers",
+}
+"""The extra that installs each optional package."""
+
+
+class MissingExtraError(LMSError, ImportError):
+    """An optional package that the asked-for work needs is not installed."""
+
+
+def require(package: str, *, for_what: str) -> None:
+    """Refuse, before any work, what needs ``package`` where it is not installed.
+
+    Raises:
+        MissingExtraError: naming ``for_what``, the package and the extra to install.
+    """
+    if importlib.util.find_spec(package) is None:
+        extra = EXTRAS.get(package)
+        fix = f"pip install 'large-model-support[{extra}]'" if extra else f"pip install {package}"
+        raise MissingExtraError(f"lms: {for_what} needs {package}, which is not installed; {fix}")

@@ -1,0 +1,102 @@
+"""The command's contract for scripts: exit codes, logs on stderr, versions, help on every option."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lms.cli import EXIT_CODES, build_parser, main
+
+
+def _lms(*argv, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "lms", *argv], capture_output=True, text=True, timeout=300, **kwargs
+    )
+
+
+def test_json_to_stdout_parses_and_logs_go_to_stderr():
+    done = _lms("analyze", "--model", "tinylm", "--image-size", "64", "--json", "/dev/stdout")
+    report = json.loads(done.stdout)
+    assert report["lms_version"] and report["torch_version"]
+    assert "[LMS]" in done.stderr and "[LMS]" not in done.stdout
+    assert done.returncode == 0 and report["fits"]
+
+
+def test_no_plan_that_fits_is_its_own_exit_code():
+    done = _lms("-q", "analyze", "--model", "tinylm", "--image-size", "64", "--gpu-memory", "2GiB")
+    assert done.returncode == 3, done.stderr
+    assert 3 in EXIT_CODES and "no plan fits" in EXIT_CODES[3]
+
+
+def test_every_bench_run_failing_is_its_own_exit_code(monkeypatch, tmp_path):
+    from lms.harness import bench as compare
+
+    monkeypatch.setattr(compare, "_CHILD", "raise SystemExit('no')\n")
+    argv = ["-q", "bench", "--model", "tinylm", "--sizes", "32", "--methods", "none", "--steps"]
+    assert main([*argv, "1", "--repeats", "1"]) == 4
+
+
+def test_version_names_lms_and_torch():
+    done = _lms("--version")
+    assert done.returncode == 0 and done.stdout.startswith("lms ") and "torch" in done.stdout
+
+
+def test_quiet_turns_the_progress_bars_off(monkeypatch):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    main(["-q", "analyze", "--model", "tinylm", "--image-size", "64"])
+    assert os.environ.pop("TQDM_DISABLE") == "1"
+
+
+def test_every_option_has_help_and_the_exit_codes_are_in_it():
+    parser = build_parser()
+    assert all(f"  {code}  " in parser.format_help() for code in EXIT_CODES)
+    commands = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict))
+    missing = [
+        f"{name} {'/'.join(action.option_strings)}"
+        for name, sub in commands.choices.items()
+        for action in sub._actions
+        if action.option_strings and action.help in (None, "") and action.dest != "help"
+    ]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("command", ["analyze", "sweep", "train", "bench", "demo"])
+def test_each_command_has_help(command):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+
+
+@pytest.mark.parametrize(
+    ("missing", "argv", "extra"),
+    [
+        ("torchvision", ["analyze", "--model", "resnet50", "--image-size", "64"], "zoo"),
+        ("monai", ["sweep", "--model", "unet3d", "--gpu-memory", "1GiB", "--step", "16"], "zoo"),
+        (
+            "matplotlib",
+            ["analyze", "--model", "tinylm", "--image-size", "64", "--plot", "m.png"],
+            "plot",
+        ),
+        ("torchvision", ["demo"], "zoo"),
+    ],
+)
+def test_a_missing_extra_is_named_before_any_work(
+    missing, argv, extra, monkeypatch, capsys, tmp_path
+):
+    import importlib.util
+
+    import lms.orchestration.analyze as analyze
+
+    monkeypatch.chdir(tmp_path)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a)
+    )
+    ran = []
+    monkeypatch.setattr(analyze, "analyze", lambda *a, **k: ran.append(1))
+    assert main(argv) == 2 and not ran
+    err = capsys.readouterr().err
+    assert f"needs {missing}, which is not installed" in err
+    assert f"pip install 'large-model-support[{extra}]'" in err

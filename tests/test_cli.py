@@ -1,4 +1,4 @@
-"""The command's contract for scripts: exit codes, logs on stderr, versions, help on every option."""
+"""The command's contract for scripts: exit codes, logs on stderr, versions, help text."""
 
 import json
 import os

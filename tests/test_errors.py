@@ -93,9 +93,9 @@ def test_the_spill_reserve_is_stated_and_configurable(spill_dir):
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
     everything = {"tier": "disk", "spill_dir": spill_dir, "swapout_threshold": 1}
     offload = lms.LMS(spill_reserve="1000TiB", **everything)
-    with pytest.raises(lms.SpillError, match=r"1000\.00 TiB it keeps free \(spill_reserve\)"):
-        with offload:
-            model(torch.randn(512, 256)).sum().backward()
+    refused = pytest.raises(lms.SpillError, match=r"1000\.00 TiB it keeps free \(spill_reserve\)")
+    with refused, offload:
+        model(torch.randn(512, 256)).sum().backward()
     with lms.LMS(spill_reserve=0, **everything) as offload:
         model(torch.randn(512, 256)).sum().backward()
     assert offload.stats.offloaded_tensors > 0

@@ -8,6 +8,7 @@ made again, its inputs first, just before its first use in backward.
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 from lms.core import costs, policy
@@ -125,6 +126,8 @@ class Clock:
         self.taken: dict[tuple[int, int], tuple[float, float]] = {}  # copy out: start, done
         self.rejoined: dict[int, tuple[float, float]] = {}  # copies in: start, done
         self.d2h_free = self.h2d_free = self.disk_free = 0.0
+        self._in_flight: collections.deque[tuple[float, int]] = collections.deque()
+        self._in_flight_bytes = 0
         self.now = self.wait_s = self.recompute_s = self.copy_compute_s = 0.0
         self._run(plan.swapin_ahead if plan is not None else 2, plan)
         self.end_s = self.now
@@ -190,7 +193,6 @@ class Clock:
             if ordinal not in self.offload and ordinal not in self.recompute:
                 kept_at[save_op] = kept_at.get(save_op, 0) + size
         kept = 0
-        pending: list[tuple[float, int]] = []
         busy = {
             *kept_at,
             *self.saves_at,
@@ -209,7 +211,7 @@ class Clock:
             if index < self.trace.backward_start_op:
                 kept += kept_at.get(index, 0)
             for ordinal in self.saves_at.get(index, ()):
-                pending = self._save(ordinal, kept, pending)
+                self._save(ordinal, kept)
             for ordinal, k in self.takes_at.get(index, ()):
                 self._take(ordinal, k)
             for ordinal in self.issues_at.get(index, ()):
@@ -263,10 +265,8 @@ class Clock:
             self.copy_compute_s += seconds
             self.now += seconds
 
-    def _save(
-        self, ordinal: int, kept: int, pending: list[tuple[float, int]]
-    ) -> list[tuple[float, int]]:
-        """Copy ``ordinal`` out as it is saved; returns the copies out still running."""
+    def _save(self, ordinal: int, kept: int) -> None:
+        """Copy ``ordinal`` out as it is saved (Note [Copies out in flight])."""
         size = self.entries[ordinal][1]
         self.out_start[ordinal] = self.now
         out_s = costs.copy_out_s(self.spec, size)
@@ -275,23 +275,30 @@ class Clock:
             self.out_done[ordinal] = self.now
             finish = max(self.now, self.disk_free) + costs.spill_write_s(self.spec, size)
             self.disk_free = self.written[ordinal] = finish
-            return pending
+            return
         self.out_start[ordinal] = max(self.now, self.d2h_free)
         self.d2h_free = self.out_done[ordinal] = self.out_start[ordinal] + out_s
+        pending = self._in_flight
         pending.append((self.d2h_free, size))
+        self._in_flight_bytes += size
         self._taken_from_compute(out_s)
         if self.sync_out:
             self._wait_until(self.d2h_free)
-        pending = [(done, nbytes) for done, nbytes in pending if done > self.now]
+        while pending and pending[0][0] <= self.now:  # finished
+            self._in_flight_bytes -= pending.popleft()[1]
         # The runtime waits for copies out while they would hold the step over its budget.
         while (
-            self.allowance is not None
-            and pending
-            and kept + sum(nbytes for _, nbytes in pending) > self.allowance
+            self.allowance is not None and pending and kept + self._in_flight_bytes > self.allowance
         ):
-            done, _ = pending.pop(0)
+            done, nbytes = pending.popleft()
+            self._in_flight_bytes -= nbytes
             self._wait_until(done)
-        return pending
+
+    # Note: [Copies out in flight]
+    # Copies out run one after another on one channel, so they finish in the order they started:
+    # the copies still running are a queue whose head finishes first. The clock keeps that queue
+    # and its bytes as it goes, so that each save costs the copies it retires, not a pass over
+    # every copy still in flight (a long step saves thousands of tensors).
 
     def _take(self, ordinal: int, k: int) -> None:
         """Copy the k-th partial gradient of a relieved junction out."""

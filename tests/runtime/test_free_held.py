@@ -228,7 +228,7 @@ MEASURED = (
     # copies awaited both ways, so that when a storage is emptied does not depend on how fast
     # the disk is
     plan = dataclasses.replace(plan, sync_mode=3)
-    offload = lms.LMS(plan=plan, budget=budget, tier="disk", spill_dir=folder)
+    offload = lms.LMS(plan=plan, budget=budget, tier="disk", spill_dir=folder, free_held=free_held)
     trace = trace_step(model, [x], step, device="cpu")
     sim = simulate(trace, plan, local_device_spec(torch.device("cpu")))
     before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes

@@ -1,4 +1,5 @@
-"""The default planner: the per-tensor plan and TFLMS's tuned set, whichever is predicted faster."""
+"""The default planner: the per-tensor plan (or, for a deep stack of repeated blocks, the
+per-role plan) and TFLMS's tuned set, whichever is predicted faster."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from lms.core.devices import DeviceSpec
 from lms.core.errors import PlanInfeasibleError
 from lms.core.plan import Plan
 from lms.core.records import Trace
+from lms.planning.blocks import plan_blocks, repeats
 from lms.planning.greedy import plan_greedy
 from lms.planning.tflms import tune_tflms
 
@@ -61,9 +63,30 @@ def plan_auto(
     return fastest if faster else filled
 
 
+DEEP_STACK_REPEATS = 8
+"""Saved tensors per role (`lms.planning.blocks.repeats`) from which a step counts as a deep
+stack of repeated blocks, planned one role at a time (Note [Plan one block, apply it to all])."""
+
+
+_DEPTHS = (1, 4)
+"""Runs of consecutive layers the per-role planner chooses apart: one (every layer alike) and
+four (early layers may go where late ones stay); the greedy search lands differently from each."""
+
+
 def _fastest(
     trace: Trace, spec: DeviceSpec, budget_bytes: int, *, half: bool, free_held: bool
 ) -> Plan:
+    if repeats(trace) >= DEEP_STACK_REPEATS:
+        # A transformer's layers: the per-tensor search would spend thousands of simulations of a
+        # long trace on choices that come out alike in every layer.
+        candidates = [
+            *(
+                plan_blocks(trace, spec, budget_bytes, half=half, free_held=free_held, depths=n)
+                for n in _DEPTHS
+            ),
+            tune_tflms(trace, spec, budget_bytes, half=half, free_held=free_held),
+        ]
+        return min(candidates, key=lambda plan: (plan.predicted_overhead, len(plan.offload)))
     greedy = plan_greedy(trace, spec, budget_bytes, half=half, free_held=free_held)
     candidates = [greedy, tune_tflms(trace, spec, budget_bytes, half=half, free_held=free_held)]
     if greedy.relieved_junctions:

@@ -1,0 +1,119 @@
+"""How long planning a language model takes on this machine, against an H100 spec: trace with fake
+tensors, simulate without offload, then `plan_auto` for a fraction of the plain peak.
+
+Hugging Face GPT-2 medium (hidden 1024, 16 heads, batch 12, sequence 1024, fp32,
+``labels=input_ids``) at 12, 24 and 48 layers, at 60% of its peak; and a Llama-3-8B-shaped model
+(32 layers, hidden 4096, 32 heads with 8 KV heads, intermediate 14336, sequence 8192, batch 1,
+bfloat16 autocast) at 70%. Random weights, built under fake tensors: nothing is downloaded and
+no real memory is taken. Writes JSON.
+
+    .venv/bin/python benchmarks/tune_time.py [--out benchmarks/results/tune_time_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from lms.analysis import device_spec, simulate, trace_step
+from lms.planning import plan_auto
+from lms.planning.blocks import repeats
+
+
+def _lm_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    out = model(input_ids=batch[0], labels=batch[0])
+    out.loss.backward()
+    return out.loss
+
+
+def _half_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(input_ids=batch[0], labels=batch[0])
+    out.loss.backward()
+    return out.loss
+
+
+def _case(name: str, build: Any, ids: torch.Tensor, step: Any, fraction: float, half: bool):
+    spec = device_spec("h100")
+    start = time.perf_counter()
+    trace = trace_step(build, [ids], step, device="cpu", autocast=torch.bfloat16 if half else None)
+    traced = time.perf_counter() - start
+    plain = simulate(trace, None, spec, half=half)
+    budget = int(plain.peak_bytes * fraction)
+    start = time.perf_counter()
+    plan = plan_auto(trace, spec, budget, half=half)
+    planned = time.perf_counter() - start
+    row = {
+        "model": name,
+        "ops": len(trace.ops),
+        "saved_storages": len(trace.entries()),
+        "entries_per_role": repeats(trace),
+        "plain_peak_bytes": plain.peak_bytes,
+        "budget_bytes": budget,
+        "fraction": fraction,
+        "trace_s": traced,
+        "plan_s": planned,
+        "tune_s": traced + planned,
+        "planner": plan.source,
+        "predicted_overhead": plan.predicted_overhead,
+        "offloaded": len(plan.offload),
+        "recomputed": len(plan.recompute),
+    }
+    print(
+        f"{name}: {row['ops']} ops, {row['saved_storages']} saved; trace {traced:.1f} s, plan "
+        f"{planned:.2f} s at {fraction:.0%} of {plain.peak_bytes / 2**30:.1f} GiB: "
+        f"{plan.predicted_overhead:+.1%} predicted",
+        flush=True,
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="benchmarks/results/tune_time_cpu.json")
+    args = parser.parse_args()
+    rows = []
+    for layers in (12, 24, 48):
+        config = GPT2Config(n_layer=layers, n_embd=1024, n_head=16, n_positions=1024)
+        ids = torch.randint(0, config.vocab_size, (12, 1024))
+        rows.append(
+            _case(
+                f"gpt2-medium-{layers}",
+                lambda c=config: GPT2LMHeadModel(c),
+                ids,
+                _lm_step,
+                0.6,
+                False,
+            )
+        )
+    llama = LlamaConfig(
+        num_hidden_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        max_position_embeddings=8192,
+        vocab_size=128256,
+    )
+    ids = torch.randint(0, llama.vocab_size, (1, 8192))
+    rows.append(
+        _case("llama-3-8b-shape", lambda: LlamaForCausalLM(llama), ids, _half_step, 0.7, True)
+    )
+    result = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
+        "spec": "h100-80gb",
+        "rows": rows,
+    }
+    with open(args.out, "w") as handle:
+        json.dump(result, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""The planner for deep stacks of repeated blocks: one choice for each role a tensor plays in a
+block, made alike in every block, each candidate checked by simulating the whole step.
+
+Note: [Plan one block, apply it to all]
+A transformer saves the same tensors in each of its layers (the attention's inputs, its softmax,
+the MLP's activation, ...), and the per-tensor search spends its simulations choosing for each of
+them alone: thousands of candidates over thousands of ops, for choices that come out alike layer
+after layer. Here the saved tensors are grouped by their role, the operation that made them in a
+module path with the layer's index left out, its output and its size (`roles`), and the search
+chooses keep, offload or recompute for each role: a few dozen choices for any depth. Every
+candidate is still the whole step simulated, so the plan fits by construction, as any planner's.
+Tensors outside the repeated blocks (the embedding, the head, the loss) are roles of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+
+from lms.analysis.simulate import SimResult
+from lms.core.devices import DeviceSpec
+from lms.core.plan import Plan
+from lms.core.recipes import recipes
+from lms.core.records import Trace
+from lms.planning.candidates import Candidates
+from lms.planning.greedy.polish import polish
+from lms.planning.greedy.shared import VARIANTS, chains_with
+from lms.planning.minimum import smallest_plan
+
+__all__ = ["plan_blocks", "repeats", "roles"]
+
+log = logging.getLogger("lms.planning")
+
+_REFINED = 16
+"""Searches that go on from their longest prefix, the fastest first."""
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+"""A module path's index into a list of modules (``h.5``, ``layers.12``)."""
+
+
+def roles(trace: Trace) -> list[list[int]]:
+    """The saved entries grouped by the role they play in a repeated block, in first-save order
+    (Note [Plan one block, apply it to all])."""
+    entries = trace.entries()
+    grouped: dict[tuple[object, ...], list[int]] = {}
+    for ordinal, (storage, nbytes, _) in enumerate(entries):
+        record = trace.storages[storage]
+        if record.alloc_op < 0:
+            key: tuple[object, ...] = ("input", ordinal)
+        else:
+            op = trace.ops[record.alloc_op]
+            output = op.outputs.index(record.id) if record.id in op.outputs else -1
+            key = (_INDEX.sub(".*", op.module), op.name, output, nbytes)
+        grouped.setdefault(key, []).append(ordinal)
+    return list(grouped.values())
+
+
+def repeats(trace: Trace) -> float:
+    """How many entries a role holds on average: the depth of a stack of repeated blocks."""
+    found = roles(trace)
+    return len(trace.entries()) / max(len(found), 1)
+
+
+def plan_blocks(
+    trace: Trace,
+    spec: DeviceSpec,
+    budget_bytes: int,
+    *,
+    half: bool = False,
+    free_held: bool = False,
+    depths: int = 4,
+    polish_simulations: int = 0,
+) -> Plan:
+    """The plan with the shortest predicted step that fits ``budget_bytes``, choosing alike for
+    every tensor of one role in each of ``depths`` runs of consecutive layers (Note [Plan one
+    block, apply it to all]).
+
+    Raises:
+        PlanInfeasibleError: when not even offloading everything fits.
+    """
+    candidates = Candidates(trace, spec, budget_bytes, half, free_held=free_held)
+    plain = candidates.run(None)
+    if candidates.fits(plain):
+        return candidates.finish(candidates.plan((), source="planner"), plain)
+    minimum_plan, minimum = smallest_plan(candidates)
+    search = _RoleSearch(candidates, depths=depths)
+    found = search.best()
+    plan, result = found if found is not None else (minimum_plan, minimum)
+    if found is not None and polish_simulations:
+        # Single tensors, largest first, where one layer's choice should differ from its role's.
+        stop = candidates.simulations + polish_simulations
+        plan = polish(candidates, plan, result.step_s, lambda: candidates.simulations >= stop)
+        result = candidates.run(plan)
+    log.info(
+        "[LMS] [Planner] %d roles over %d saved storages: offload %d, recompute %d; "
+        "swapin_ahead %d, sync_mode %d; %d simulations",
+        len(search.roles),
+        candidates.num_entries,
+        len(plan.offload),
+        len(plan.recompute),
+        plan.swapin_ahead,
+        plan.sync_mode,
+        candidates.simulations,
+    )
+    return candidates.finish(plan, result)
+
+
+class _RoleSearch:
+    """A greedy search over the roles' choices: keep the roles that cost least device memory
+    per copy avoided, recompute where a replay is cheaper than the copy, then move single roles
+    between keep, offload and recompute while that is faster."""
+
+    def __init__(self, candidates: Candidates, *, depths: int = 4):
+        self.candidates = candidates
+        trace = candidates.trace
+        self.entries = trace.entries()
+        pinned = candidates.pinned
+        self.roles = [
+            part
+            for role in roles(trace)
+            for part in _by_depth([i for i in role if i not in pinned], depths)
+            if part
+        ]
+        found = recipes(trace)
+        self.recipes = found
+        first_use = trace.first_use_op()
+        horizon = len(trace.ops)
+        self.pressure = [
+            sum(
+                self.entries[i][1]
+                * (first_use.get(self.entries[i][0], horizon) - self.entries[i][2])
+                for i in members
+            )
+            for members in self.roles
+        ]
+
+    def _plan(self, kept: set[int], remade: set[int], ahead: int, sync_mode: int) -> Plan:
+        members = self.roles
+        keep = {i for r in kept for i in members[r]}
+        recompute = self._recomputable({i for r in remade for i in members[r]} - keep)
+        offload = [i for i in range(self.candidates.num_entries) if i not in keep]
+        return self.candidates.plan(
+            offload, ahead=ahead, sync_mode=sync_mode, source="planner", recompute=recompute
+        )
+
+    def _recomputable(self, wanted: Iterable[int]) -> set[int]:
+        """Of ``wanted``, those that may be recomputed together (first saved first)."""
+        chosen: set[int] = set()
+        for ordinal in sorted(wanted):
+            if ordinal in self.recipes and chains_with(self.recipes, chosen, ordinal, chains=True):
+                chosen.add(ordinal)
+        return chosen
+
+    def _run(self, kept: set[int], remade: set[int], ahead: int, sync: int) -> SimResult | None:
+        result = self.candidates.run(self._plan(kept, remade, ahead, sync))
+        return result if self.candidates.fits(result) else None
+
+    def best(self) -> tuple[Plan, SimResult] | None:
+        """The fastest plan found, with its simulation; None where no candidate fits."""
+        count = len(self.roles)
+        ranking = sorted(range(count), key=lambda r: self.pressure[r])
+        everything = set(range(count))
+        start_remade = {r for r in everything if all(i in self.recipes for i in self.roles[r])}
+        # Each prefetch variant from each starting set, its longest keepable prefix of the
+        # ranking; the fastest few then take the remaining roles one by one.
+        searched: list[tuple[float, int, set[int], set[int], int, int]] = []
+        for ahead, sync in VARIANTS:
+            for remade in (set(), start_remade):
+                kept = self._longest_prefix(ranking, remade, ahead, sync)
+                result = None if kept is None else self._run(kept, remade, ahead, sync)
+                if kept is not None and result is not None:
+                    searched.append((result.step_s, len(searched), kept, remade, ahead, sync))
+        best: tuple[float, set[int], set[int], int, int] | None = None
+        for _, _, kept, remade, ahead, sync in sorted(searched)[:_REFINED]:
+            for role in ranking:  # then one by one
+                if role not in kept and self._run(kept | {role}, remade, ahead, sync):
+                    kept = kept | {role}
+            result = self._run(kept, remade, ahead, sync)
+            if result is not None and (best is None or result.step_s < best[0]):
+                best = (result.step_s, set(kept), set(remade - kept), ahead, sync)
+        if best is None:
+            return None
+        step_s, kept, remade, ahead, sync = best
+        step_s, ahead, sync = self._fastest_variant(kept, remade, step_s, ahead, sync)
+        moved = True
+        while moved:  # single roles between kept, offloaded and recomputed
+            moved = False
+            for role in sorted(everything, key=lambda r: -self.pressure[r]):
+                for trial_kept, trial_remade in (
+                    (kept - {role}, remade - {role}),
+                    (kept | {role}, remade - {role}),
+                    (kept - {role}, remade | {role}),
+                ):
+                    if (trial_kept, trial_remade) == (kept, remade):
+                        continue
+                    result = self._run(trial_kept, trial_remade, ahead, sync)
+                    if result is not None and result.step_s < step_s * 0.999:
+                        kept, remade, step_s, moved = trial_kept, trial_remade, result.step_s, True
+                        break
+            if moved:
+                step_s, ahead, sync = self._fastest_variant(kept, remade, step_s, ahead, sync)
+        plan = self._plan(kept, remade, ahead, sync)
+        return plan, self.candidates.run(plan)
+
+    def _longest_prefix(
+        self, ranking: list[int], remade: set[int], ahead: int, sync: int
+    ) -> set[int] | None:
+        """The longest prefix of ``ranking`` that can stay on the device; None if none can."""
+        if self._run(set(), remade, ahead, sync) is None:
+            return None
+        low, high = 0, len(ranking)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._run(set(ranking[:middle]), remade, ahead, sync) is not None:
+                low = middle
+            else:
+                high = middle - 1
+        return set(ranking[:low])
+
+    def _fastest_variant(
+        self, kept: set[int], remade: set[int], step_s: float, ahead: int, sync: int
+    ) -> tuple[float, int, int]:
+        """The fastest prefetch distance and sync mode for the choices made."""
+        for trial_ahead, trial_sync in VARIANTS:
+            result = self._run(kept, remade, trial_ahead, trial_sync)
+            if result is not None and result.step_s < step_s * 0.999:
+                step_s, ahead, sync = result.step_s, trial_ahead, trial_sync
+        return step_s, ahead, sync
+
+
+def _by_depth(members: list[int], depths: int) -> list[list[int]]:
+    """``members`` (in save order: layer by layer) in ``depths`` runs of consecutive layers."""
+    count = len(members)
+    parts = min(depths, count)
+    return [members[count * k // parts : count * (k + 1) // parts] for k in range(parts)]

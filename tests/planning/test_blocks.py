@@ -1,0 +1,84 @@
+"""The per-role planner for deep stacks of repeated blocks (Note [Plan one block, apply it to
+all]): roles found across layers, one choice for each role, a plan that fits and that the runtime
+follows bit for bit."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import lms  # noqa: E402
+from lms.analysis import device_spec, simulate, trace_step  # noqa: E402
+from lms.planning import plan_auto, plan_blocks  # noqa: E402
+from lms.planning.auto import DEEP_STACK_REPEATS  # noqa: E402
+from lms.planning.blocks import repeats, roles  # noqa: E402
+from tests.conftest import assert_bitwise  # noqa: E402
+
+LAYERS = 12
+
+
+def _build():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=LAYERS, n_embd=32, n_head=4, n_positions=64, vocab_size=128, resid_pdrop=0.1
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _step(model, batch):
+    out = model(input_ids=batch[0], labels=batch[0])
+    out.loss.backward()
+    return out.loss
+
+
+def _trace():
+    ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(0))
+    return trace_step(_build(), [ids], _step, device="cpu", min_offload_bytes=0), ids
+
+
+def test_roles_gather_each_layer_s_tensors():
+    trace, _ = _trace()
+    found = roles(trace)
+    assert sorted(i for role in found for i in role) == list(range(len(trace.entries())))
+    layered = [role for role in found if len(role) == LAYERS]
+    assert len(layered) >= 8  # the attention's and the MLP's saved tensors, once a layer
+    assert repeats(trace) >= DEEP_STACK_REPEATS
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.6])
+def test_the_plan_fits_chooses_alike_in_every_layer_and_is_followed_bitwise(fraction, spill_dir):
+    trace, ids = _trace()
+    spec = device_spec("cpu")
+    plain = simulate(trace, None, spec)
+    plan = plan_blocks(trace, spec, int(plain.peak_bytes * fraction))
+    result = simulate(trace, plan, spec)
+    assert result.peak_bytes <= int(plain.peak_bytes * fraction)
+    assert plan.offload or plan.recompute
+    choice = {i: "offload" for i in plan.offload} | {i: "recompute" for i in plan.recompute}
+    for role in roles(trace):
+        made = {choice.get(i, "keep") for i in role}
+        # one choice a role; a replay that may not chain onto another recomputed one stays moved
+        assert len(made) == 1 or made == {"offload", "recompute"}, made
+    offload = lms.LMS(plan=plan, tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+    assert_bitwise(_run(_build(), ids, None), _run(_build(), ids, offload))
+    assert offload.stats.offloaded_tensors + offload.stats.recomputed_tensors > 0
+
+
+def _run(model, ids, offload):
+    import contextlib
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    with offload if offload is not None else contextlib.nullcontext():
+        loss = _step(model, [ids])
+    return loss.detach().clone(), [p.grad.detach().clone() for p in model.parameters()]
+
+
+def test_the_default_planner_plans_a_deep_stack_by_role_and_keeps_the_faster_plan():
+    trace, _ = _trace()
+    spec = device_spec("cpu")
+    budget = int(simulate(trace, None, spec).peak_bytes * 0.7)
+    chosen = plan_auto(trace, spec, budget)
+    by_role = plan_blocks(trace, spec, budget)
+    assert chosen.predicted_overhead <= by_role.predicted_overhead
+    assert simulate(trace, chosen, spec).peak_bytes <= budget

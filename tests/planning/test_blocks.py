@@ -47,10 +47,11 @@ def test_roles_gather_each_layer_s_tensors():
 
 @pytest.mark.parametrize("fraction", [0.8, 0.6])
 def test_the_plan_fits_chooses_alike_in_every_layer_and_is_followed_bitwise(fraction, spill_dir):
+    """With one run of layers (``depths=1``), every layer's tensor of a role is treated alike."""
     trace, ids = _trace()
     spec = device_spec("cpu")
     plain = simulate(trace, None, spec)
-    plan = plan_blocks(trace, spec, int(plain.peak_bytes * fraction))
+    plan = plan_blocks(trace, spec, int(plain.peak_bytes * fraction), depths=1)
     result = simulate(trace, plan, spec)
     assert result.peak_bytes <= int(plain.peak_bytes * fraction)
     assert plan.offload or plan.recompute
@@ -82,3 +83,14 @@ def test_the_default_planner_plans_a_deep_stack_by_role_and_keeps_the_faster_pla
     by_role = plan_blocks(trace, spec, budget)
     assert chosen.predicted_overhead <= by_role.predicted_overhead
     assert simulate(trace, chosen, spec).peak_bytes <= budget
+
+
+def test_runs_of_layers_may_differ_and_the_plan_is_followed_bitwise(spill_dir):
+    """With four runs of layers, early layers' tensors may go where late ones stay."""
+    trace, ids = _trace()
+    spec = device_spec("cpu")
+    budget = int(simulate(trace, None, spec).peak_bytes * 0.7)
+    plan = plan_blocks(trace, spec, budget, depths=4)
+    assert simulate(trace, plan, spec).peak_bytes <= budget
+    offload = lms.LMS(plan=plan, tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+    assert_bitwise(_run(_build(), ids, None), _run(_build(), ids, offload))

@@ -257,3 +257,35 @@ def test_ctrl_c_while_timing_leaves_no_timing_process(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         time_ops(trace, CPU)
     assert len(started) == 1 and started[0].poll() is not None  # ended, and reaped
+
+
+def test_a_timing_process_that_dies_on_an_op_names_it_and_times_the_rest(monkeypatch, caplog):
+    """Note [A timing process that dies]: the op it died on keeps the rates, a new process times
+    the calls after it."""
+    trace = _trace(_net())
+    ops = [str(call.op) for call in trace.calls if call is not None and not call.op.is_view]
+    victim = ops[len(ops) // 2]
+    crashing = (
+        "import os, signal\n"
+        "from lms.orchestration import timing\n"
+        "real = timing._time_call\n"
+        "def crash(name, *args):\n"
+        f"    if name == {victim!r}:\n"
+        "        os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "    return real(name, *args)\n"
+        "timing._time_call = crash\n"
+        "timing._main()\n"
+    )
+    monkeypatch.setattr(timing, "_CHILD", (sys.executable, "-c", crashing))
+    with caplog.at_level(logging.WARNING, logger="lms"):
+        timings = time_ops(trace, CPU)
+    assert f"running {victim}" in caplog.text and "a new process times the calls" in caplog.text
+    for taken, call in zip(timings.seconds, trace.calls, strict=True):
+        if call is not None and str(call.op) == victim:
+            assert taken is None
+    others = [
+        taken
+        for taken, call in zip(timings.seconds, trace.calls, strict=True)
+        if call is not None and not call.op.is_view and str(call.op) != victim
+    ]
+    assert others and all(taken is not None and taken > 0 for taken in others)

@@ -121,14 +121,66 @@ def time_ops(
 def _time_in_child(
     jobs: list[Job], device: torch.device, limit_s: float
 ) -> dict[int, float | None]:
-    """Each job's seconds (None: it raised), by position, timed by a process of its own; jobs
-    it did not reach (its time was up, or it died) are left out."""
+    """Each job's seconds (None: it raised, or the process died running it), by position, timed
+    by a process of its own; jobs it did not reach in ``limit_s`` are left out.
+
+    Note: [A timing process that dies]
+    An op run on made-up data can end the process that runs it (a kernel's segmentation fault,
+    the out-of-memory killer). The process says which job it starts before running it, so that
+    the parent can name the op it died on, leave that op to the rates, and start another
+    process for the jobs after it, within what is left of ``limit_s`` and `_RESTARTS` times
+    at most.
+    """
     sendable: list[bytes | None] = []
     for job in jobs:
         try:
             sendable.append(pickle.dumps(job))
         except Exception:  # an argument that cannot be sent (an object of the user's)
             sendable.append(None)
+    results: dict[int, float | None] = {}
+    started = time.perf_counter()
+    first = 0
+    for _ in range(_RESTARTS + 1):
+        left_s = limit_s - (time.perf_counter() - started)
+        if first >= len(jobs) or left_s <= 0:
+            break
+        done, running, code = _run_child(sendable[first:], device, left_s)
+        results.update({first + position: taken for position, taken in done.items()})
+        if code == 0 or running is None:
+            if code != 0:
+                log.warning(
+                    "[LMS] The process timing ops ended with code %s after %d of %d calls; the "
+                    "rest are priced by the device's rates",
+                    code,
+                    len(results),
+                    len(jobs),
+                )
+            break
+        died_on = first + running
+        results[died_on] = None
+        log.warning(
+            "[LMS] The process timing ops ended with code %s running %s (call %d of %d); that "
+            "op is priced by the device's rates, and a new process times the calls after it",
+            code,
+            jobs[died_on][0],
+            died_on + 1,
+            len(jobs),
+        )
+        first = died_on + 1
+    return results
+
+
+_RESTARTS = 3
+"""New timing processes started after one dies (Note [A timing process that dies])."""
+_STARTING = "starting"
+"""What the timing process sends before it runs a job."""
+
+
+def _run_child(
+    sendable: list[bytes | None], device: torch.device, limit_s: float
+) -> tuple[dict[int, float | None], int | None, int | None]:
+    """One timing process over ``sendable``: the times it sent, by position; the job it was
+    running when it ended, if it ended in one; and its exit code (None: it could not start)."""
     payload = pickle.dumps(
         (str(device), torch.get_num_threads(), limit_s, backend_settings(), sendable)
     )
@@ -138,7 +190,7 @@ def _time_in_child(
         child = subprocess.Popen(_CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     except OSError as error:  # no Python to start (an embedded interpreter)
         log.warning("[LMS] No process could time ops (%s); they are priced by the rates", error)
-        return {}
+        return {}, None, None
     try:
         out, _ = child.communicate(payload, timeout=limit_s + _START_S)
     except subprocess.TimeoutExpired:
@@ -149,22 +201,19 @@ def _time_in_child(
             child.kill()
             child.wait()
     results: dict[int, float | None] = {}
+    running: int | None = None
     stream = io.BytesIO(out)
     while True:
         try:
-            job, taken = pickle.load(stream)
+            position, taken = pickle.load(stream)
         except Exception:  # the end, or a message cut short by the child's death
             break
-        results[job] = taken
-    if child.returncode != 0:
-        log.warning(
-            "[LMS] The process timing ops ended with code %s after %d of %d calls; the rest "
-            "are priced by the device's rates",
-            child.returncode,
-            len(results),
-            len(jobs),
-        )
-    return results
+        if taken == _STARTING:
+            running = position
+        else:
+            results[position] = taken
+            running = None
+    return results, running, child.returncode
 
 
 def backend_settings() -> dict[str, Any]:
@@ -221,6 +270,8 @@ def _main() -> None:
                 break
             taken = None
             if job is not None:
+                pickle.dump((position, _STARTING), out)  # Note [A timing process that dies]
+                out.flush()
                 name, args, kwargs = pickle.loads(job)
                 taken = _time_call(name, args, kwargs, device)
             pickle.dump((position, taken), out)

@@ -66,7 +66,10 @@ def _seconds(text: str) -> float:
     return value
 
 
-_MODEL_HELP = "zoo model (resnet50, googlenet, deeplabv3, unet3d, tinylm) or package.module:builder"
+_MODEL_HELP = (
+    "zoo model (resnet50, googlenet, deeplabv3, unet3d, tinylm, gpt2, llama) or "
+    "package.module:builder"
+)
 _AMP_HELP = "bfloat16 autocast"
 _SPEC_HELP = "device spec to simulate (see lms.analysis.DEVICES; default v100-32gb)"
 _JSON_HELP = "write the results here as JSON (with the lms and torch versions)"
@@ -80,9 +83,17 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        help="zoo model (resnet50, googlenet, ...) or package.module:builder",
+        help=_MODEL_HELP,
     )
-    parser.add_argument("--image-size", type=_count, required=True, help="edge in pixels/voxels")
+    parser.add_argument(
+        "--image-size",
+        "--seq-len",
+        dest="image_size",
+        type=_count,
+        required=True,
+        help="edge in pixels or voxels; for a language model (tinylm, gpt2, llama) the sequence "
+        "length, as --seq-len",
+    )
     parser.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
     parser.add_argument(

@@ -100,3 +100,13 @@ def test_a_missing_extra_is_named_before_any_work(
     err = capsys.readouterr().err
     assert f"needs {missing}, which is not installed" in err
     assert f"pip install 'large-model-support[{extra}]'" in err
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_language_models_of_the_zoo_are_analyzed_at_a_sequence_length(model, tmp_path):
+    pytest.importorskip("transformers")
+    out = tmp_path / "report.json"
+    argv = ["-q", "analyze", "--model", model, "--seq-len", "128", "--device-spec", "h100"]
+    assert main([*argv, "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["input_shapes"][0] == [1, 128]

@@ -151,6 +151,45 @@ def _volumes(size: int, batch: int) -> Sequence[torch.Tensor]:
     return [torch.randn(batch, 1, size, size, size), torch.randint(0, 2, (batch, size, size, size))]
 
 
+def _gpt2() -> torch.nn.Module:
+    """GPT-2 medium's shape (24 layers, hidden 1024, 16 heads), random weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=24, n_embd=1024, n_head=16, n_positions=8192))
+
+
+def _llama() -> torch.nn.Module:
+    """A Llama-3.2-1B-shaped model (16 layers, hidden 2048, 32 heads with 8 KV heads,
+    intermediate 8192, rotary embeddings, tied embeddings), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        num_hidden_layers=16,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+def _hf_tokens(vocab: int) -> Callable[[int, int], Sequence[torch.Tensor]]:
+    def make(size: int, batch: int) -> Sequence[torch.Tensor]:
+        return [torch.randint(0, vocab, (batch, size))]
+
+    return make
+
+
+def _hf_lm_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A Hugging Face causal LM's step: its own loss over the batch's next tokens."""
+    loss = model(input_ids=batch[0], labels=batch[0]).loss
+    loss.backward()
+    return loss
+
+
 def _tokens(size: int, batch: int) -> Sequence[torch.Tensor]:
     return [torch.randint(0, 32000, (batch, size)), torch.randint(0, 32000, (batch, size))]
 
@@ -201,6 +240,26 @@ ZOO: dict[str, ZooModel] = {
             needs=("monai",),
         ),
         ZooModel("tinylm", TinyLM, _tokens, "tokens", lambda s: s, 2048, _lm_step),
+        ZooModel(
+            "gpt2",
+            _gpt2,
+            _hf_tokens(50257),
+            "tokens",
+            lambda s: s,
+            1024,
+            _hf_lm_step,
+            needs=("transformers",),
+        ),
+        ZooModel(
+            "llama",
+            _llama,
+            _hf_tokens(128256),
+            "tokens",
+            lambda s: s,
+            8192,
+            _hf_lm_step,
+            needs=("transformers",),
+        ),
     )
 }
 

@@ -166,6 +166,7 @@ def _sweep(args: argparse.Namespace) -> int:
         amp=args.amp,
         max_size=args.max_size,
         free_held=args.free_held,
+        progress=not args.quiet,
     )
     _write(args, result, lambda path: plot_sweep(result, path))
     return 0
@@ -192,6 +193,7 @@ def _train(args: argparse.Namespace) -> int:
             keep_in=args.no_offload_in,
             free_held=args.free_held,
             memory_snapshot=args.memory_snapshot,
+            progress=not args.quiet,
         )
     except PlanInfeasibleError as error:
         print(error, file=sys.stderr)
@@ -216,6 +218,7 @@ def _bench(args: argparse.Namespace) -> int:
         timeout_s=args.run_timeout,
         time_limit_s=args.time_limit,
         on_point=(lambda partial: _write_json(args.json, partial)) if args.json else None,
+        progress=not args.quiet,
     )
     for method, size in result["largest_size"].items():
         log.info("[LMS] largest size reached by %s: %s", method, size)
@@ -230,7 +233,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from lms.harness.demo import run_demo
 
-    run_demo(out_dir=args.out, steps=args.steps)
+    run_demo(out_dir=args.out, steps=args.steps, progress=not args.quiet)
     return 0
 
 
@@ -408,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     if args.quiet:
-        os.environ["TQDM_DISABLE"] = "1"  # tqdm reads it as each bar starts
+        os.environ["TQDM_DISABLE"] = "1"  # for the processes it starts (ops timed, bench runs)
     try:
         if getattr(args, "gpu_memory", None) is not None:
             parse_bytes(args.gpu_memory, field="--gpu-memory", positive=True)

@@ -43,10 +43,12 @@ def test_version_names_lms_and_torch():
     assert done.returncode == 0 and done.stdout.startswith("lms ") and "torch" in done.stdout
 
 
-def test_quiet_turns_the_progress_bars_off(monkeypatch):
-    monkeypatch.delenv("TQDM_DISABLE", raising=False)
-    main(["-q", "analyze", "--model", "tinylm", "--image-size", "64"])
-    assert os.environ.pop("TQDM_DISABLE") == "1"
+def test_quiet_turns_the_progress_bars_off():
+    argv = ["sweep", "--model", "tinylm", "--gpu-memory", "1GiB", "--step", "64", "--max-size"]
+    loud = _lms(*argv, "128")
+    quiet = _lms("-q", *argv, "128")
+    assert loud.returncode == quiet.returncode == 0, quiet.stderr
+    assert "size/s" in loud.stderr and "size/s" not in quiet.stderr
 
 
 def test_every_option_has_help_and_the_exit_codes_are_in_it():

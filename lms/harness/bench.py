@@ -76,6 +76,7 @@ def bench(
     timeout_s: float = 900,
     time_limit_s: float | None = None,
     on_point: Callable[[dict[str, Any]], None] | None = None,
+    progress: bool = True,
 ) -> dict[str, Any]:
     """Measure every method at every size; stop a method after its first size that fails.
 
@@ -103,7 +104,12 @@ def bench(
     failed: set[str] = set()
     not_run: list[dict[str, Any]] = []
     started = time.perf_counter()
-    bar = tqdm(total=len(sizes) * len(methods) * repeats, desc=f"bench {model}", unit="run")
+    bar = tqdm(
+        total=len(sizes) * len(methods) * repeats,
+        desc=f"bench {model}",
+        unit="run",
+        disable=not progress,
+    )
     for size in sizes:
         runs: dict[str, list[dict[str, Any]]] = {method: [] for method in methods}
         for round_ in range(repeats):

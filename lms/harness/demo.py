@@ -35,7 +35,9 @@ BUDGET_FRACTION = 0.4
 
 # Long by design: the demo's script, step by step as its output reads: trace, plan, train with
 # and without LMS, compare, write the files.
-def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
+def run_demo(
+    *, out_dir: str = "out/demo", steps: int = 3, progress: bool = True
+) -> dict[str, float]:
     """Run the demo; returns the measured and predicted figures.
 
     Raises:
@@ -93,7 +95,7 @@ def run_demo(*, out_dir: str = "out/demo", steps: int = 3) -> dict[str, float]:
     held = tensors_bytes([*model.parameters(), *model.buffers(), images, labels])
     times, peaks = [], []  # CUDA's peaks, a step each
     run = SampledSteps(steps, cuda)  # Note [Steps timed without the sampler]
-    for index in tqdm(range(steps), desc="training with LMS", unit="step"):
+    for index in tqdm(range(steps), desc="training with LMS", unit="step", disable=not progress):
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()

@@ -1,7 +1,6 @@
 """The command's contract for scripts: exit codes, logs on stderr, versions, help text."""
 
 import json
-import os
 import subprocess
 import sys
 

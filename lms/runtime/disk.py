@@ -53,6 +53,8 @@ from lms.core.units import format_bytes
 __all__ = ["SpillStore", "check_spill_dir", "remove_stale_folders"]
 
 log = logging.getLogger("lms.runtime.disk")
+_CHUNK_BYTES = 4 * 1024**2
+"""The buffer a spill file is written through (Note [A spill file is written from a snapshot])."""
 RESERVE_FREE_BYTES = 64 * 1024**2
 """Free space a spill folder keeps beyond the files written to it, for the rest of the system."""
 
@@ -186,6 +188,7 @@ class SpillStore:
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lms-io")
         self._files: dict[int, _File] = {}
+        self._bounce: memoryview | None = None  # the I/O thread's (Note [A spill file is ...])
         self._closed = False
         # Runs at close(), at garbage collection or at interpreter exit, whichever is first; a
         # forked child's exit leaves the parent's descriptors to the parent.
@@ -227,11 +230,28 @@ class SpillStore:
     def _write(self, key: int, data: torch.Tensor) -> None:
         view = _bytes_view(data)
         fd = -1
+        digest = xxhash.xxh3_64()
         try:
             fd = _open_unnamed(self.root)
-            written = 0
-            while written < len(view):
-                written += os.pwrite(fd, view[written:], written)
+            # Note: [A spill file is written from a snapshot]
+            # The bytes go through a small buffer of this store's, a chunk at a time, and the
+            # digest is taken of that buffer: the file and its digest are of the same bytes even
+            # where the storage changes while it is written. A saved view may cover part of its
+            # storage while the step still writes the rest, bytes backward never reads (a GRU's
+            # storages were seen to change so on CPU); a digest taken apart from the write
+            # would not match the file there.
+            if self._bounce is None:
+                self._bounce = memoryview(bytearray(_CHUNK_BYTES))
+            bounce = self._bounce
+            done = 0
+            while done < len(view):
+                size = min(_CHUNK_BYTES, len(view) - done)
+                bounce[:size] = view[done : done + size]
+                digest.update(bounce[:size])
+                written = 0
+                while written < size:
+                    written += os.pwrite(fd, bounce[written:size], done + written)
+                done += size
         except OSError as exc:
             if fd >= 0:
                 with _suppress_os_error():
@@ -245,10 +265,9 @@ class SpillStore:
             raise SpillError(
                 f"lms: writing a spill file in {self.root!r} failed ({exc}); check the spill_dir"
             ) from exc
-        digest = xxhash.xxh3_64_intdigest(view)
         with self._lock:
             old = self._files.pop(key, None)
-            self._files[key] = _File(fd, len(view), digest)
+            self._files[key] = _File(fd, len(view), digest.intdigest())
         if old is not None:
             with _suppress_os_error():
                 os.close(old.fd)

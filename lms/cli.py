@@ -85,14 +85,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         required=True,
         help=_MODEL_HELP,
     )
-    parser.add_argument(
-        "--image-size",
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--image-size", type=_count, help="edge in pixels or voxels")
+    size.add_argument(
         "--seq-len",
         dest="image_size",
         type=_count,
-        required=True,
-        help="edge in pixels or voxels; for a language model (tinylm, gpt2, llama) the sequence "
-        "length, as --seq-len",
+        help="sequence length, for a language model (tinylm, gpt2, llama)",
     )
     parser.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")

@@ -36,6 +36,7 @@ import concurrent.futures
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -53,8 +54,9 @@ from lms.core.units import format_bytes
 __all__ = ["SpillStore", "check_spill_dir", "remove_stale_folders"]
 
 log = logging.getLogger("lms.runtime.disk")
-_CHUNK_BYTES = 4 * 1024**2
-"""The buffer a spill file is written through (Note [A spill file is written from a snapshot])."""
+_CHUNK_BYTES = 1024**2
+"""The buffer a spill file is written through (Note [A spill file is written from a snapshot]):
+an anonymous mapping, so that it stays out of the C heap a budget on the CPU counts."""
 RESERVE_FREE_BYTES = 64 * 1024**2
 """Free space a spill folder keeps beyond the files written to it, for the rest of the system."""
 
@@ -240,8 +242,8 @@ class SpillStore:
             # storage while the step still writes the rest, bytes backward never reads (a GRU's
             # storages were seen to change so on CPU); a digest taken apart from the write
             # would not match the file there.
-            if self._bounce is None:
-                self._bounce = memoryview(bytearray(_CHUNK_BYTES))
+            if self._bounce is None:  # a mapping of its own, outside the C heap
+                self._bounce = memoryview(mmap.mmap(-1, _CHUNK_BYTES))
             bounce = self._bounce
             done = 0
             while done < len(view):
@@ -333,6 +335,11 @@ class SpillStore:
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._finalizer()
+        if self._bounce is not None:
+            mapping = self._bounce.obj
+            self._bounce.release()
+            mapping.close()  # type: ignore[attr-defined]
+            self._bounce = None
         self.bytes_on_disk = 0
 
 

@@ -335,11 +335,7 @@ class SpillStore:
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._finalizer()
-        if self._bounce is not None:
-            mapping = self._bounce.obj
-            self._bounce.release()
-            mapping.close()  # type: ignore[attr-defined]
-            self._bounce = None
+        self._bounce = None  # the mapping goes with its last view
         self.bytes_on_disk = 0
 
 

@@ -102,3 +102,18 @@ def midway_budget(trace, spec):
 
     _, everything_out = smallest_plan(Candidates(trace, spec, budget_bytes=2**40))
     return (everything_out.peak_bytes + simulate(trace, None, spec).peak_bytes) // 2
+
+
+def recomputing_plan(trace):
+    """Every recipe whose inputs are not recomputed themselves recomputed, the rest offloaded."""
+    from lms.analysis import device_spec
+    from lms.core.recipes import recipes
+    from lms.planning.candidates import Candidates
+
+    found = recipes(trace)
+    chosen: set[int] = set()
+    for ordinal, recipe in sorted(found.items()):
+        if not set(recipe.inputs) & chosen and not any(ordinal in found[c].inputs for c in chosen):
+            chosen.add(ordinal)
+    candidates = Candidates(trace, device_spec("cpu"), budget_bytes=2**40)
+    return candidates.plan(range(candidates.num_entries), source="test", recompute=chosen)

@@ -10,10 +10,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import lms  # noqa: E402
-from lms.analysis import device_spec, trace_step  # noqa: E402
-from lms.core.recipes import recipes  # noqa: E402
-from lms.planning.candidates import Candidates  # noqa: E402
-from tests.conftest import assert_bitwise  # noqa: E402
+from lms.analysis import trace_step  # noqa: E402
+from tests.conftest import assert_bitwise, recomputing_plan  # noqa: E402
 
 CONFIGS = {
     # SDPA, grouped-query attention (2 KV heads for 4), rotary embeddings, tied embeddings,
@@ -58,17 +56,6 @@ def _run(model, ids, half, offload=None):
     return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
-def _recomputing(trace):
-    """Every recipe whose inputs are not recomputed themselves; everything else offloaded."""
-    found = recipes(trace)
-    chosen: set[int] = set()
-    for ordinal, recipe in sorted(found.items()):
-        if not set(recipe.inputs) & chosen and not any(ordinal in found[c].inputs for c in chosen):
-            chosen.add(ordinal)
-    candidates = Candidates(trace, device_spec("cpu"), budget_bytes=2**40)
-    return candidates.plan(range(candidates.num_entries), source="test", recompute=chosen)
-
-
 @pytest.mark.parametrize("plan", ["everything-offloaded", "recompute"])
 @pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -89,7 +76,7 @@ def test_hugging_face_models_train_bitwise(kind, half, plan, spill_dir):
             min_offload_bytes=0,
             autocast=torch.bfloat16 if half else None,
         )
-        made = _recomputing(traced)
+        made = recomputing_plan(traced)
         assert made.recompute
         offload = lms.LMS(plan=made, tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
     for _ in range(2):

@@ -11,10 +11,8 @@ from hypothesis import strategies as st
 
 import lms
 from lms.analysis import device_spec, simulate, trace_step
-from lms.core.recipes import recipes
 from lms.planning import plan_greedy
-from lms.planning.candidates import Candidates
-from tests.conftest import assert_bitwise, run_step
+from tests.conftest import assert_bitwise, recomputing_plan, run_step
 
 WIDTH = 16
 BATCH = 4
@@ -111,17 +109,6 @@ def _step(model, batch):
     return loss
 
 
-def _recompute_plan(trace):
-    """Every recipe whose inputs are not themselves recomputed; the rest offloaded."""
-    found = recipes(trace)
-    chosen: set[int] = set()
-    for ordinal, recipe in sorted(found.items()):
-        if not set(recipe.inputs) & chosen and not any(ordinal in found[c].inputs for c in chosen):
-            chosen.add(ordinal)
-    candidates = Candidates(trace, device_spec("cpu"), budget_bytes=2**40)
-    return candidates.plan(range(candidates.num_entries), source="test", recompute=chosen)
-
-
 @pytest.fixture(scope="module")
 def fuzz_spill_dir(tmp_path_factory):
     # Each trace collects garbage once (what reference cycles keep, before it reads what the
@@ -172,7 +159,7 @@ def test_random_models_train_bitwise_under_every_kind_of_plan(model, fuzz_spill_
     except lms.PlanInfeasibleError:
         planned = plan_greedy(trace, spec, peak, max_simulations=60)
     # A plan that recomputes every tensor it can from stored inputs, and offloads the rest.
-    for plan in (planned, _recompute_plan(trace)):
+    for plan in (planned, recomputing_plan(trace)):
         offload = lms.LMS(plan=plan, tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
         assert_bitwise(plain, run_step(reference, batch, offload))
         offload.close()

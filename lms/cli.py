@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         default="none,lms,save_on_cpu,checkpoint",
         help="comma-separated, of none, lms, lms_free_held (LMS with --free-held), save_on_cpu, "
-        "checkpoint",
+        "checkpoint, hf_checkpoint (Hugging Face gradient checkpointing: gpt2, llama)",
     )
     bench.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
     bench.add_argument(

@@ -387,3 +387,13 @@ def test_a_memory_snapshot_of_a_cpu_run_is_refused_before_training(tmp_path, cap
     argv = ["-q", "train", "--model", "resnet50", "--image-size", "64", "--batch-size", "2"]
     assert main([*argv, "--steps", "1", "--memory-snapshot", str(path)]) == 2
     assert "memory_snapshot" in capsys.readouterr().err and not path.exists()
+
+
+def test_hugging_face_checkpointing_is_a_peer_for_its_models():
+    pytest.importorskip("transformers")
+    from lms.harness.train import train
+
+    result = train("gpt2", size=16, steps=1, method="hf_checkpoint", progress=False)
+    assert result.method == "hf_checkpoint" and result.peak_bytes > 0 and result.loss > 0
+    with pytest.raises(ValueError, match="hf_checkpoint takes a Hugging Face model"):
+        train("tinylm", size=16, steps=1, method="hf_checkpoint", progress=False)

@@ -30,7 +30,7 @@ from lms.runtime import LMS
 __all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks"]
 
 log = logging.getLogger("lms.harness.train")
-METHODS = ("none", "lms", "save_on_cpu", "checkpoint")
+METHODS = ("none", "lms", "save_on_cpu", "checkpoint", "hf_checkpoint")
 _SNAPSHOT_ENTRIES = 200_000
 """Allocator events a memory snapshot keeps: a ResNet50 step makes about 5000."""
 
@@ -230,7 +230,8 @@ def _model_and_batch(
     target: torch.device,
 ) -> tuple[torch.nn.Module, list[torch.Tensor]]:
     """The model, seeded, on ``target`` (channels-last for images; its blocks checkpointed for
-    the "checkpoint" method) and the batch it trains on."""
+    the "checkpoint" method, by Hugging Face's own for "hf_checkpoint") and the batch it trains
+    on."""
     torch.manual_seed(0)
     model = entry.build().to(target)
     fmt = torch.channels_last if entry.unit == "pixels" else None
@@ -238,6 +239,14 @@ def _model_and_batch(
         model = model.to(memory_format=fmt)
     if method == "checkpoint":
         model = checkpoint_blocks(model)
+    if method == "hf_checkpoint":  # Hugging Face's own: each layer recomputed in backward
+        enable = getattr(model, "gradient_checkpointing_enable", None)
+        if not callable(enable):
+            raise ValueError(
+                f"lms: method hf_checkpoint takes a Hugging Face model (gpt2, llama); "
+                f"{entry.name} has no gradient_checkpointing_enable(); use method checkpoint"
+            )
+        enable()
     batch = list(data) if data is not None else list(entry.make_batch(size, batch_size))
     batch = [t.to(target) for t in batch]
     if fmt is not None:

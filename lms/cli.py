@@ -105,7 +105,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _write_json(path: str, result: dict[str, Any]) -> None:
-    """``result`` as JSON at ``path``, with the versions that made it (`json_schema`)."""
+    """``result`` as JSON at ``path``, with the versions that made it."""
     versions = {"lms_version": __version__, "torch_version": torch.__version__}
     with open(path, "w") as out:
         json.dump({**versions, **result}, out, indent=2)
@@ -177,26 +177,22 @@ def _train(args: argparse.Namespace) -> int:
     data = (
         load_images(args.data, args.model, args.image_size, args.batch_size) if args.data else None
     )
-    try:
-        result = train(
-            args.model,
-            size=args.image_size,
-            batch_size=args.batch_size,
-            steps=args.steps,
-            method="lms" if args.lms else "none",
-            budget=args.budget,
-            tier=args.tier,
-            host_budget=args.host_budget,
-            amp=args.amp,
-            data=data,
-            keep_in=args.no_offload_in,
-            free_held=args.free_held,
-            memory_snapshot=args.memory_snapshot,
-            progress=not args.quiet,
-        )
-    except PlanInfeasibleError as error:
-        print(error, file=sys.stderr)
-        return EXIT_NO_PLAN
+    result = train(  # a budget no plan fits: main's EXIT_NO_PLAN
+        args.model,
+        size=args.image_size,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        method="lms" if args.lms else "none",
+        budget=args.budget,
+        tier=args.tier,
+        host_budget=args.host_budget,
+        amp=args.amp,
+        data=data,
+        keep_in=args.no_offload_in,
+        free_held=args.free_held,
+        memory_snapshot=args.memory_snapshot,
+        progress=not args.quiet,
+    )
     if args.json:
         _write_json(args.json, dataclasses.asdict(result))
     return EXIT_OK
@@ -389,16 +385,13 @@ def _check_extras(args: argparse.Namespace) -> None:
     """Refuse, before any work, what needs an optional package that is not installed."""
     from lms.core.extras import require
 
-    if getattr(args, "plot", None) or args.command == "demo":
-        require("matplotlib", for_what="--plot" if args.command != "demo" else "lms demo")
+    if args.command == "demo":
+        require("matplotlib", for_what="lms demo")
+        require("torchvision", for_what="lms demo (ResNet50)")
+    elif getattr(args, "plot", None):
+        require("matplotlib", for_what="--plot")
     if getattr(args, "data", None):
         require("torchvision", for_what="--data")
-    if args.command == "demo":
-        require("torchvision", for_what="lms demo (ResNet50)")
-    if getattr(args, "model", None) is not None:
-        from lms.harness.zoo import zoo_model
-
-        zoo_model(args.model)  # its packages
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -414,10 +407,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if getattr(args, "gpu_memory", None) is not None:
             parse_bytes(args.gpu_memory, field="--gpu-memory", positive=True)
-        if getattr(args, "model", None) is not None and args.batch_size is None:
+        if getattr(args, "model", None) is not None:
             from lms.harness.zoo import zoo_model
 
-            args.batch_size = zoo_model(args.model).min_batch
+            entry = zoo_model(args.model)  # refuses a model whose packages are missing
+            if args.batch_size is None:
+                args.batch_size = entry.min_batch
         os.makedirs(getattr(args, "out", ".") or ".", exist_ok=True)
         _check_outputs(args)
         _check_extras(args)

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
-from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lms.analysis.recorder import Recorder
@@ -82,8 +82,8 @@ def _refuse_lazy(model: torch.nn.Module) -> None:
     tracing needs it whole first.
     """
     for name, module in model.named_modules():
-        uninitialized = getattr(module, "has_uninitialized_params", None)
-        if isinstance(module, LazyModuleMixin) and callable(uninitialized) and uninitialized():
+        own = itertools.chain(module.parameters(recurse=False), module.buffers(recurse=False))
+        if any(is_lazy(tensor) for tensor in own):
             raise UnplannableStepError(
                 f"lms: {type(model).__name__}.{name} ({type(module).__name__}) is a lazy module "
                 "that has not made its parameters yet, and a trace cannot make them; run one "

@@ -24,7 +24,6 @@ from lms.core.plan import Plan
 from lms.core.recipes import recipes
 from lms.core.records import Trace
 from lms.planning.candidates import Candidates
-from lms.planning.greedy.polish import polish
 from lms.planning.greedy.shared import VARIANTS, chains_with
 from lms.planning.minimum import smallest_plan
 
@@ -32,8 +31,6 @@ __all__ = ["plan_blocks", "repeats", "roles"]
 
 log = logging.getLogger("lms.planning")
 
-_REFINED = 16
-"""Searches that go on from their longest prefix, the fastest first."""
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 """A module path's index into a list of modules (``h.5``, ``layers.12``)."""
 
@@ -69,7 +66,6 @@ def plan_blocks(
     half: bool = False,
     free_held: bool = False,
     depths: int = 4,
-    polish_simulations: int = 0,
 ) -> Plan:
     """The plan with the shortest predicted step that fits ``budget_bytes``, choosing alike for
     every tensor of one role in each of ``depths`` runs of consecutive layers (Note [Plan one
@@ -86,11 +82,6 @@ def plan_blocks(
     search = _RoleSearch(candidates, depths=depths)
     found = search.best()
     plan, result = found if found is not None else (minimum_plan, minimum)
-    if found is not None and polish_simulations:
-        # Single tensors, largest first, where one layer's choice should differ from its role's.
-        stop = candidates.simulations + polish_simulations
-        plan = polish(candidates, plan, result.step_s, lambda: candidates.simulations >= stop)
-        result = candidates.run(plan)
     log.info(
         "[LMS] [Planner] %d roles over %d saved storages: offload %d, recompute %d; "
         "swapin_ahead %d, sync_mode %d; %d simulations",
@@ -162,7 +153,7 @@ class _RoleSearch:
         everything = set(range(count))
         start_remade = {r for r in everything if all(i in self.recipes for i in self.roles[r])}
         # Each prefetch variant from each starting set, its longest keepable prefix of the
-        # ranking; the fastest few then take the remaining roles one by one.
+        # ranking; then each, the fastest first, takes the remaining roles one by one.
         searched: list[tuple[float, int, set[int], set[int], int, int]] = []
         for ahead, sync in VARIANTS:
             for remade in (set(), start_remade):
@@ -171,7 +162,7 @@ class _RoleSearch:
                 if kept is not None and result is not None:
                     searched.append((result.step_s, len(searched), kept, remade, ahead, sync))
         best: tuple[float, set[int], set[int], int, int] | None = None
-        for _, _, kept, remade, ahead, sync in sorted(searched)[:_REFINED]:
+        for _, _, kept, remade, ahead, sync in sorted(searched):
             for role in ranking:  # then one by one
                 if role not in kept and self._run(kept | {role}, remade, ahead, sync):
                     kept = kept | {role}

@@ -103,10 +103,6 @@ def _this_host() -> str:
     return f"{socket.gethostname()}.{space}"
 
 
-def _folder_prefix() -> str:
-    return f"lms-spill-{os.getpid()}@{_this_host()}-"
-
-
 def _runs(pid: int) -> bool:
     if os.name != "posix":  # there a signal ends the process: never ask
         return True

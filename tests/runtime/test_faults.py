@@ -304,7 +304,7 @@ def test_folders_left_by_killed_processes_of_older_releases_are_removed(tmp_path
     left.mkdir()
     (left / "0.bin").write_bytes(b"x" * 4096)
     # a folder of a live process (this one), of another host, and of an older release stay
-    alive = spill / f"{disk._folder_prefix()}live"
+    alive = spill / f"lms-spill-{os.getpid()}@{disk._this_host()}-live"
     other = spill / "lms-spill-1@elsewhere.1-abc"
     older = spill / "lms-spill-k2j4_x9a"
     for folder in (alive, other, older):

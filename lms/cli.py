@@ -1,4 +1,5 @@
-"""The ``lms`` command: analyze, sweep, train and bench zoo models, run the demo.
+"""The ``lms`` command: analyze, sweep, train and bench zoo models, replay a recorded step, run
+the demo.
 
 Logs go to standard error, so that ``--json /dev/stdout`` can be parsed; the exit codes are
 `EXIT_CODES`."""
@@ -192,9 +193,25 @@ def _train(args: argparse.Namespace) -> int:
         free_held=args.free_held,
         memory_snapshot=args.memory_snapshot,
         progress=not args.quiet,
+        record=args.record,
     )
     if args.json:
         _write_json(args.json, dataclasses.asdict(result))
+    return EXIT_OK
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from lms.core.steprecord import load_record
+    from lms.report.replay import format_replay, plot_replay, replay
+
+    record = load_record(args.record_file)
+    result = replay(record, step=args.step)
+    print(format_replay(result))
+    _write(
+        args,
+        {"record": args.record_file, **record.meta, **result.as_dict()},
+        lambda path: plot_replay(path, record, result),
+    )
     return EXIT_OK
 
 
@@ -316,7 +333,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the CUDA allocator's history of the steps here, also when a step fails "
         "(open it at pytorch.org/memory_viz)",
     )
+    train.add_argument(
+        "--record",
+        metavar="FILE",
+        help="write a record of every step here (each op, copy and wait, timed; gzipped JSON) "
+        "for `lms replay`; with --budget, or with --no-lms",
+    )
     train.set_defaults(run=_train)
+
+    again = commands.add_parser(
+        "replay", help="simulate a recorded step again and set it beside what it measured"
+    )
+    again.add_argument(
+        "record_file", metavar="record", help="a step record (lms train --record FILE)"
+    )
+    again.add_argument(
+        "--step", type=_count, default=None, help="the recorded step (default: the last)"
+    )
+    again.add_argument("--json", help=_JSON_HELP)
+    again.add_argument("--plot", help="write both timelines, measured above replayed, as a PNG")
+    again.set_defaults(run=_replay)
 
     bench = commands.add_parser("bench", help="measure LMS beside the peers over sizes")
     bench.add_argument("--model", required=True, help=_MODEL_HELP)
@@ -353,7 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_OUTPUTS = ("json", "plot", "snapshot", "memory_snapshot")
+_OUTPUTS = ("json", "plot", "snapshot", "memory_snapshot", "record")
 """The options that name a file the command writes."""
 
 

@@ -30,7 +30,7 @@ from lms.core.records import (
 
 __all__ = ["Recorder"]
 
-_SKIP_OPS = {"aten.detach.default", "aten.alias.default", "prim.device.default"}
+SKIPPED_OPS = {"aten.detach.default", "aten.alias.default", "prim.device.default"}
 
 
 class Recorder(TorchDispatchMode):
@@ -183,7 +183,7 @@ class Recorder(TorchDispatchMode):
         # every new tensor an op made (not an in-place op's input)
         self.made.extend(weakref.ref(t) for t in returned if id(t) not in given)
         name = str(func)
-        if name in _SKIP_OPS:
+        if name in SKIPPED_OPS:
             return out
         index = len(self.ops)
         phase = self.phase()

@@ -125,12 +125,15 @@ def train(
     keep_in: Sequence[str] = (),
     free_held: bool = False,
     memory_snapshot: str | None = None,
+    record: str | None = None,
 ) -> TrainResult:
     """Train ``steps`` steps of a zoo model and measure them. With method "lms", tensors saved
     inside the submodules named in ``keep_in`` ("layer4") stay on the device (`no_offload_in`);
     ``free_held`` is `lms.LMSConfig.free_held`. ``memory_snapshot``: a file for the CUDA
     allocator's history of the steps, written when they end or fail (pytorch.org/memory_viz
-    opens it, as it opens the simulator's `lms.export_memory_viz`).
+    opens it, as it opens the simulator's `lms.export_memory_viz`). ``record``: a file for the
+    step record of every step (`lms.LMS.record_steps`; `lms replay` reads it), with method
+    "lms" and a budget, or method "none" (its trace and op times taken as a plan's would be).
 
     Raises:
         PlanInfeasibleError: with method "lms", before training, when the budget cannot fit.
@@ -152,6 +155,12 @@ def train(
             f"lms: memory_snapshot={memory_snapshot!r} records the CUDA allocator; "
             f"this run trains on {target}"
         )
+    if record is not None and not (method == "none" or (method == "lms" and budget is not None)):
+        raise ValueError(
+            f"lms: record={record!r} records a tuned plan's steps (method lms with a budget) or "
+            f"plain ones (method none); method {method!r}"
+            + (" has no budget to tune for; give one" if method == "lms" else " is neither")
+        )
     model, batch = _model_and_batch(entry, method, size, batch_size, data, target)
     kept = no_offload_in(*submodules(model, keep_in)) if method == "lms" else None
     start_bytes = None if cuda else tensors_bytes([*model.parameters(), *model.buffers(), *batch])
@@ -166,8 +175,15 @@ def train(
         )
         if budget is not None:
             offload.tune(model, batch, step_fn, autocast=autocast)
+        if record is not None:
+            offload.record_steps(target)
+    plain = (
+        _PlainRecord(model, batch, step_fn, target, autocast) if record and not offload else None
+    )
 
     def context() -> Any:
+        if plain is not None:
+            return plain.step()
         if method == "lms":
             return offload
         if method == "save_on_cpu":
@@ -213,12 +229,57 @@ def train(
         rss_growth_bytes=None if memory is None else memory.rss_growth_bytes,
         start_bytes=start_bytes,
     )
+    if record is not None:
+        meta = {"model": model_name, "size": size, "batch_size": len(batch[0]), "method": method}
+        if plain is not None:
+            plain.save(record, meta)
+        elif offload is not None:
+            offload.save_record(record, meta)
+        log.info("[LMS] Recorded %d steps to %s (read them with `lms replay`)", steps, record)
     if offload is not None:
         offload.close()
     if kept is not None:
         kept.remove()
     _log_result(result, memory, entry.unit)
     return result
+
+
+class _PlainRecord:
+    """Steps without offload, recorded as `lms.LMS.record_steps` records a plan's, beside what a
+    plan's record keeps: the trace, and the spec with the op times a tuner would price it at."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch: list[torch.Tensor],
+        step_fn: Callable[..., Any],
+        target: torch.device,
+        autocast: torch.dtype | None,
+    ):
+        from lms.orchestration.tuning import tune_step
+        from lms.runtime.steplog import StepLog
+
+        tuned = tune_step(
+            model, batch, step_fn, budget_bytes=None, min_offload_bytes=0, autocast=autocast
+        )
+        self.trace, self.spec, self.half = tuned.trace, tuned.spec, tuned.half
+        self.log = StepLog(target)
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """One recorded step."""
+        self.log.begin(len(self.log.steps) + 1, {})
+        try:
+            yield
+        finally:
+            self.log.end({})
+
+    def save(self, path: str, meta: dict[str, Any]) -> None:
+        from lms.core.steprecord import StepRecord
+
+        info = {"torch": torch.__version__, "device": str(self.log.device), **meta}
+        record = StepRecord(self.trace, None, self.spec, self.half, tuple(self.log.steps), info)
+        record.save(path)
 
 
 def _model_and_batch(

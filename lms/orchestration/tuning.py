@@ -24,14 +24,31 @@ from lms.core.version import __version__
 from lms.orchestration.cache import cache_folder, cache_path, load_cached, planner_code, save_plan
 from lms.orchestration.local import local_device_spec, with_local_timings
 
-__all__ = ["check_offload_room", "tune_plan"]
+__all__ = ["TunedStep", "check_offload_room", "tune_plan", "tune_step"]
 
 log = logging.getLogger("lms.orchestration.tuning")
 
 
+@dataclasses.dataclass(frozen=True)
+class TunedStep:
+    """A plan and what it was made from: the trace, the spec it was priced on (with the op
+    times measured for it, where it was tuned rather than loaded), and whether at half
+    precision."""
+
+    plan: Plan
+    trace: Trace
+    spec: DeviceSpec
+    half: bool
+
+
+def tune_plan(model: torch.nn.Module, batch: Any, step_fn: StepFn | None, **settings: Any) -> Plan:
+    """`tune_step`'s plan alone."""
+    return tune_step(model, batch, step_fn, **settings).plan
+
+
 # Long by design: `LMS.tune`'s one entry, in order: trace, check the cache, time the ops, plan,
 # check the room offloading needs, cache; each step reads what the ones before it made.
-def tune_plan(
+def tune_step(
     model: torch.nn.Module,
     batch: Any,
     step_fn: StepFn | None,
@@ -45,7 +62,7 @@ def tune_plan(
     host_budget_bytes: int | None = None,
     spill_dir: str | None = None,
     free_held: bool = False,
-) -> Plan:
+) -> TunedStep:
     """Trace ``step_fn(model, batch)`` under fake tensors and plan it for the model's device.
 
     A plan for the same step, budget and device found in ``cache_dir`` (else ``$LMS_CACHE_DIR``,
@@ -114,7 +131,7 @@ def tune_plan(
     )
     if loaded is not None:
         log.info("[LMS] Loaded the plan for this step from %s", path)
-        return plan
+        return TunedStep(plan, trace, spec, half)
     save_plan(plan, path)
     log.info(
         "[LMS] Tuned in %.2f s: offload %d of %d saved storages, predicted peak %.2f GiB, "
@@ -126,7 +143,7 @@ def tune_plan(
         100 * plan.predicted_overhead,
         path,
     )
-    return plan
+    return TunedStep(plan, trace, spec, half)
 
 
 def check_offload_room(

@@ -41,7 +41,7 @@ import mmap
 
 import torch
 
-__all__ = ["CopyEngine", "pin_host", "unpin_host"]
+__all__ = ["CopyEngine", "pin_host", "timing_event", "unpin_host"]
 
 _OUT_OF_MEMORY = 2  # cudaErrorMemoryAllocation
 _PORTABLE = 1  # cudaHostRegisterPortable
@@ -103,14 +103,24 @@ class CopyEngine:
         self.device = device
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
+        self.timed = False
+        """Record each copy's start too, and make its events timing ones (a step record)."""
+        self.last_start: torch.cuda.Event | None = None
+        """With ``timed``: the start event of the last copy queued."""
+
+    def _start(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=self.timed)
+        if self.timed:
+            self.last_start = timing_event(stream)
+        return event
 
     def copy_out(self, src: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event:
         """Queue ``dst.copy_(src)`` (device to pinned host) after the work that produced ``src``."""
         compute = torch.cuda.current_stream(self.device)
         self.d2h.wait_stream(compute)
         with torch.cuda.stream(self.d2h):
+            event = self._start(self.d2h)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
             event.record(self.d2h)
         return event
 
@@ -130,11 +140,19 @@ class CopyEngine:
         if after is not None:
             self.h2d.wait_event(after)
         with torch.cuda.stream(self.h2d):
+            event = self._start(self.h2d)
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
             event.record(self.h2d)
         return dst, event
 
     def wait(self, event: torch.cuda.Event) -> None:
         """Make the compute stream wait for ``event``."""
         torch.cuda.current_stream(self.device).wait_event(event)
+
+
+def timing_event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
+    """A timing event recorded now on ``stream`` (the current one by default): a mark on the
+    card's own clock for a step record (`lms.runtime.steplog`)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream if stream is not None else torch.cuda.current_stream())
+    return event

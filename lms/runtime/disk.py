@@ -43,7 +43,10 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import xxhash
@@ -193,6 +196,9 @@ class SpillStore:
         self._finalizer = weakref.finalize(self, _close_all, self._files, os.getpid())
         self.bytes_on_disk = 0
         self.peak_bytes_on_disk = 0
+        self.timed: Callable[[str, int, float, float], None] | None = None
+        """Told, on the I/O thread, the wall-clock start and end of each write (``out``) and
+        read (``in``), by key: a step record's (`lms.runtime.steplog`)."""
 
     @property
     def folder(self) -> str | None:
@@ -223,7 +229,19 @@ class SpillStore:
             )
         self.bytes_on_disk += nbytes
         self.peak_bytes_on_disk = max(self.peak_bytes_on_disk, self.bytes_on_disk)
-        return self._pool.submit(self._write, key, data)
+        return self._pool.submit(self._run, "out", key, self._write, data)
+
+    def _run(
+        self, direction: str, key: int, work: Callable[[int, torch.Tensor], Any], data: Any
+    ) -> Any:
+        timed = self.timed
+        if timed is None:
+            return work(key, data)
+        start = time.perf_counter()
+        try:
+            return work(key, data)
+        finally:
+            timed(direction, key, start, time.perf_counter())
 
     def _write(self, key: int, data: torch.Tensor) -> None:
         view = _bytes_view(data)
@@ -280,7 +298,7 @@ class SpillStore:
                 "lms: this LMS object was closed and its spill files with it; run backward "
                 "before closing it (or leaving its with block)"
             )
-        return self._pool.submit(self._read, key, into)
+        return self._pool.submit(self._run, "in", key, self._read, into)
 
     def _read(self, key: int, into: torch.Tensor) -> torch.Tensor:
         with self._lock:

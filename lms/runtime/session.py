@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import functools
 import itertools
 import logging
@@ -19,6 +20,7 @@ import torch
 
 from lms.core import policy
 from lms.core.config import LMSConfig
+from lms.core.devices import DeviceSpec
 from lms.core.errors import LMSError
 from lms.core.junctions import in_backward
 from lms.core.keep import (
@@ -32,14 +34,18 @@ from lms.core.keep import (
     wrapped_parts,
 )
 from lms.core.plan import Plan
+from lms.core.records import Trace
+from lms.core.steprecord import StepRecord
 from lms.core.sync import SyncMode
 from lms.core.units import format_bytes
+from lms.core.version import __version__
 from lms.runtime.follow import Follow
 from lms.runtime.pool import available_host_bytes
 from lms.runtime.recompute import Replays
 from lms.runtime.relief import Relief
 from lms.runtime.stats import LMSStats
 from lms.runtime.step import Handle, Kept, Step, Wrapped, storage_bytes
+from lms.runtime.steplog import StepLog
 from lms.runtime.store import Entry, Offloader
 
 __all__ = ["LMS", "no_offload", "no_offload_in"]
@@ -133,6 +139,8 @@ class LMS:
         self._dropped: collections.deque[Entry] = collections.deque()  # releases to carry out
         self._relief = Relief(self._offloader, self.stats, self._lock, self._keep, self._keys)
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
+        self._log: StepLog | None = None
+        self._tuned: tuple[Trace, DeviceSpec, bool] | None = None  # what `tune` planned from
 
     @property
     def plan(self) -> Plan | None:
@@ -159,9 +167,13 @@ class LMS:
             self._active = True
             self._owner = threading.current_thread().name
         try:
+            if self._log is not None:
+                self._log.begin(self.stats.steps + 1, self.stats.as_dict())
             return self._enter()
         except BaseException:
             self._active = False
+            if self._log is not None:
+                self._log.end(self.stats.as_dict())
             raise
 
     def _enter(self) -> LMS:
@@ -183,6 +195,8 @@ class LMS:
             if self._step.light
             else (self._pack, self._unpack)
         )
+        if self._log is not None:
+            pack, unpack = self._log.wrap(pack, "runtime"), self._log.wrap(unpack, "runtime")
         self._hooks = torch.autograd.graph.saved_tensors_hooks(
             torch.compiler.disable(pack), torch.compiler.disable(unpack)
         )
@@ -198,6 +212,13 @@ class LMS:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        try:
+            self._exit(exc)
+        finally:
+            if self._log is not None:
+                self._log.end(self.stats.as_dict())
+
+    def _exit(self, exc: object) -> None:
         self._active = False
         self._replays.stop()
         self._hooks.__exit__(None, None, None)
@@ -246,9 +267,9 @@ class LMS:
             HostMemoryError: with tier "host", when the offloaded data cannot fit in host memory.
             SpillError: when the spill files the plan needs do not fit on the spill disk.
         """
-        from lms.orchestration.tuning import tune_plan
+        from lms.orchestration.tuning import tune_step
 
-        self.plan = tune_plan(
+        tuned = tune_step(
             model,
             batch,
             step_fn,
@@ -261,9 +282,58 @@ class LMS:
             spill_dir=self.config.spill_dir,
             free_held=self.config.free_held,
         )
+        self.plan = tuned.plan
+        self._tuned = (tuned.trace, tuned.spec, tuned.half)
         self._offloader.sync_out = self.config.sync_out or SyncMode(self.plan.sync_mode).waits_out
         self._keep.note_model(model)  # as in the trace
         return self.plan
+
+    # -- step records ------------------------------------------------------------------------
+    def record_steps(self, device: torch.device | str | None = None) -> None:
+        """Record each step from the next one on, op by op: each op's start and end, each copy
+        and wait, the memory in use (Note [One clock for a step record]); `save_record` writes
+        them with the plan and what it was tuned from, for `lms replay`. Backward must run
+        inside the ``with`` block to be recorded. ``device``: the step's (default: CUDA where
+        there is one)."""
+        where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if where.type == "cuda" and where.index is None:
+            where = torch.device("cuda", torch.cuda.current_device())
+        self._log = StepLog(where)
+        self._offloader.record_to(self._log)
+
+    def step_record(self, meta: dict[str, Any] | None = None) -> StepRecord:
+        """The steps recorded so far, with the plan, the trace and the device spec `tune`
+        planned from (``meta``: anything else to keep with them, JSON-ready).
+
+        Raises:
+            LMSError: nothing was recorded (`record_steps` first), or the plan was not tuned
+                here (`tune`), so there is no trace to simulate it from again.
+        """
+        if self._log is None or not self._log.steps:
+            raise LMSError(
+                "lms: no steps were recorded; call record_steps() before the steps to record"
+            )
+        if self._tuned is None:
+            raise LMSError(
+                "lms: a step record needs the trace the plan was made from; tune the plan with "
+                "LMS.tune(model, batch, step) before recording"
+            )
+        trace, spec, half = self._tuned
+        info = {"torch": torch.__version__, "lms": __version__, "device": str(self._log.device)}
+        if self._log.cuda:
+            info["device_name"] = torch.cuda.get_device_name(self._log.device)
+        return StepRecord(
+            trace=trace,
+            plan=self.plan,
+            spec=spec,
+            half=half,
+            steps=tuple(self._log.steps),
+            meta={**info, **(meta or {})},
+        )
+
+    def save_record(self, path: str, meta: dict[str, Any] | None = None) -> None:
+        """Write `step_record` to ``path`` (gzipped JSON, read by `lms replay`)."""
+        self.step_record(meta).save(path)
 
     def close(self) -> None:
         """Release host buffers and spill files now (also done when the object is collected)."""
@@ -564,7 +634,8 @@ class LMS:
             # unless the plan reads it back for each use.
             hold = entry.uses % entry.handles != 0 and not self._follow.refetches(step, entry)
             if entry.recipe is not None:
-                storage, waited = self._replays.remake(entry, hold=hold)
+                with self._log.section("replay") if self._log else contextlib.nullcontext():
+                    storage, waited = self._replays.remake(entry, hold=hold)
             else:
                 if entry.offloaded:
                     self._mark_back(entry)

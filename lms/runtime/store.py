@@ -17,6 +17,7 @@ from lms.core.errors import HostMemoryError, StepAbortedError
 from lms.core.units import format_bytes
 from lms.runtime.disk import RESERVE_FREE_BYTES, SpillStore
 from lms.runtime.pool import HostPool
+from lms.runtime.steplog import StepLog
 
 __all__ = ["Entry", "Offloader"]
 
@@ -123,6 +124,15 @@ class Offloader:
         self.loaded_bytes = 0
         self.emptied_bytes = 0
         self._emptied: dict[int, Entry] = {}  # by key: emptied storages, filled before closing
+        self.log: StepLog | None = None
+
+    def record_to(self, log: StepLog | None) -> None:
+        """Report copies and waits to ``log`` from now on (None: stop)."""
+        self.log = log
+        if self._disk is not None:
+            self._disk.timed = None if log is None else log.spill_done
+        for engine in self._engines.values():
+            engine.timed = log is not None
 
     # -- set-up -----------------------------------------------------------------------------
     def _pool_for(self, device: torch.device) -> HostPool:
@@ -133,6 +143,7 @@ class Offloader:
     def _disk_store(self) -> SpillStore:
         if self._disk is None:
             self._disk = SpillStore(self.spill_dir, reserve_bytes=self.spill_reserve_bytes)
+            self._disk.timed = None if self.log is None else self.log.spill_done
         return self._disk
 
     def _engine_for(self, device: torch.device) -> Any:
@@ -143,6 +154,7 @@ class Offloader:
             from lms.runtime._cuda import CopyEngine
 
             engine = self._engines[device] = CopyEngine(device)
+            engine.timed = self.log is not None
         return engine
 
     def _uses_disk(self, device: torch.device) -> bool:
@@ -164,10 +176,24 @@ class Offloader:
             buf = self._pool_for(device).acquire(entry.nbytes)
             if buf is not None:
                 dst = buf[: entry.nbytes]
+                log = self.log
+                queued = None if log is None else log.mark()
                 if device.type == "cuda":
-                    entry.pending_out = self._engine_for(device).copy_out(src, dst)
+                    engine = self._engine_for(device)
+                    entry.pending_out = engine.copy_out(src, dst)
+                    if log is not None:
+                        log.copy(
+                            "out",
+                            entry.ordinal,
+                            entry.nbytes,
+                            queued,
+                            engine.last_start,
+                            entry.pending_out,
+                        )
                 else:
                     dst.copy_(src)
+                    if log is not None:
+                        log.copy("out", entry.ordinal, entry.nbytes, queued, queued, log.mark())
                 entry.host_buf = buf
                 self.host_bytes += buf.numel()
                 self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
@@ -182,6 +208,8 @@ class Offloader:
                 )
         if device.type != "cpu":
             src = src.to("cpu")  # a host copy that the write holds until it is on disk
+        if self.log is not None:
+            self.log.spill_asked("out", entry.key, entry.ordinal, entry.nbytes)
         entry.pending_out = self._disk_store().write(entry.key, src)
         entry.on_disk = True
         self.disk_bytes += entry.nbytes
@@ -337,18 +365,34 @@ class Offloader:
                 entry.into, into = into, None
             if into is None:
                 into = torch.empty(entry.nbytes, dtype=torch.uint8)
+            if self.log is not None:
+                self.log.spill_asked("in", entry.key, entry.ordinal, entry.nbytes)
             entry.loading = self._disk_store().read(entry.key, into)
         else:
             assert entry.host_buf is not None
             src = entry.host_buf[: entry.nbytes]
             into = self._fill_target(entry)
+            log = self.log
+            queued = None if log is None else log.mark()
             if device.type == "cuda":
                 if entry.pending_out is not None:
                     self._complete(entry, wait=False)
                 # Note [A copy in follows the copy out of its data]
-                entry.loading = self._engine_for(device).copy_in(src, into, after=entry.pending_out)
+                engine = self._engine_for(device)
+                entry.loading = engine.copy_in(src, into, after=entry.pending_out)
+                if log is not None:
+                    log.copy(
+                        "in",
+                        entry.ordinal,
+                        entry.nbytes,
+                        queued,
+                        engine.last_start,
+                        entry.loading[1],
+                    )
             else:
                 entry.loading = src.clone() if into is None else into.copy_(src)
+                if log is not None:
+                    log.copy("in", entry.ordinal, entry.nbytes, queued, queued, log.mark())
         self.loaded_bytes += entry.nbytes
         return True
 
@@ -382,6 +426,7 @@ class Offloader:
                 if alive is not None:
                     return alive, 0.0
         start = time.perf_counter()
+        mark = None if self.log is None else self.log.mark()
         loading, entry.loading = entry.loading, None
         if isinstance(loading, concurrent.futures.Future):
             data = loading.result()
@@ -397,6 +442,8 @@ class Offloader:
         else:
             data = loading
         waited = time.perf_counter() - start
+        if self.log is not None:
+            self.log.wait(entry.ordinal, mark, self.log.mark())
         storage = data.untyped_storage()
         entry.last = weakref.ref(storage)
         entry.loaded = storage if hold else None

@@ -52,9 +52,9 @@ def test_the_heap_counts_what_the_block_allocates_from_memory_already_resident()
 
 
 def test_without_the_heap_count_growth_is_the_resident_sets(monkeypatch):
-    import lms.harness.memory as memory
+    import lms.runtime.heap as heap
 
-    monkeypatch.setattr(memory, "_MALLINFO2", None)
+    monkeypatch.setattr(heap, "_MALLINFO2", None)
     assert heap_in_use_bytes() is None
     size = 64 * 2**20
     with PeakMemory() as peak:

@@ -1,0 +1,347 @@
+"""`lms replay`: a recorded step (`lms.core.steprecord`) simulated again, set against itself.
+
+Note: [A replay prices each op at its recorded time]
+A replay asks one question: given what each op really took, do the simulator's copies, waits,
+recomputations and memory match what the runtime did? So it prices each of the trace's ops at
+the time the record gives it (matched by name, in order, to the ops the step ran) and keeps the
+device spec's link and disk rates. An op's time runs from the end of the op before it to its own
+end, less the waits and recomputations between them, which the simulator adds itself: so the
+framework's time between ops counts, as it does in the step. The spec's per-op overhead is
+taken off (the simulator adds it back), and copies no longer take compute's cores, since the
+recorded times already ran beside them. What the tuner itself believed (its op times or its
+rates) is the plan's own prediction, printed beside it: the gap between the two is the kernels',
+the gap between the replay and the step is the offload model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from lms.analysis.clock import Clock
+from lms.analysis.recorder import SKIPPED_OPS
+from lms.analysis.simulate import op_seconds, simulate
+from lms.core import costs
+from lms.core.devices import OpTimings
+from lms.core.steprecord import StepRecord, StepTimes
+from lms.core.units import format_bytes
+
+__all__ = ["OpGap", "Replay", "replay", "format_replay", "plot_replay"]
+
+SLOW_SHARE = 0.10
+"""How far apart an op's priced and measured times must be to be listed (`Replay.off_ops`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpGap:
+    """One op whose time the plan priced far from what the step measured."""
+
+    index: int
+    name: str
+    module: str
+    planned_s: float
+    measured_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """Prediction against measurement for one recorded step."""
+
+    step: int
+    clock: str
+    measured_step_s: float
+    predicted_step_s: float
+    """The replay: the plan simulated at the step's own op times (Note [A replay prices each op
+    at its recorded time])."""
+    planned_step_s: float
+    """What the tuner predicted: the plan at the spec's op times or rates."""
+    base_step_s: float
+    """The no-offload step the plan was priced against (the spec's op times or rates)."""
+    floor_s: float
+    """The larger of the plan's bytes over the link's rate (each direction on its own) and the
+    step's kernels at the spec's op times: no plan with these moves runs faster."""
+    measured_forward_s: float
+    predicted_forward_s: float
+    measured_backward_s: float
+    predicted_backward_s: float
+    measured_copy_s: float
+    predicted_copy_s: float
+    measured_overlap: float
+    """Share of the copies' time that ran while an op ran."""
+    predicted_overlap: float
+    measured_wait_s: float
+    predicted_wait_s: float
+    measured_peak_bytes: int
+    """What the step started with (the trace's weights, buffers and batch) plus the most it
+    added: on a card, to its allocation; on a CPU, to the C heap in use."""
+    predicted_peak_bytes: int
+    matched_ops: int
+    """Ops of the trace matched, by name and order, to ops the step ran."""
+    trace_ops: int
+    off_ops: tuple[OpGap, ...]
+    """The first ops (in order) whose priced time is more than `SLOW_SHARE` off the measured one,
+    among those that take at least a thousandth of the step."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready values."""
+        return dataclasses.asdict(self)
+
+
+def replay(record: StepRecord, *, step: int | None = None) -> Replay:
+    """Simulate ``record``'s plan again at its step's own op times, beside what it measured.
+
+    Args:
+        step: the recorded step's number (default: the last recorded, past any first step).
+
+    Raises:
+        ValueError: ``step`` was not recorded.
+    """
+    steps = {s.number: s for s in record.steps}
+    if step is None:
+        step = record.steps[-1].number
+    if step not in steps:
+        raise ValueError(f"lms: step {step} was not recorded; the record has steps {sorted(steps)}")
+    times = steps[step]
+    trace, plan, spec, half = record.trace, record.plan, record.spec, record.half
+    write_log = plan is not None and bool(plan.recompute)
+    measured, matched = _op_times(record, times)
+    overhead = spec.op_overhead_s + (spec.write_log_op_s if write_log else 0.0)
+    timings = OpTimings(
+        trace.fingerprint(),
+        tuple(None if s is None else max(s - overhead, 0.0) for s in measured),
+    )
+    replayed = dataclasses.replace(spec, copies_take_compute=False).with_op_timings(timings)
+    predicted = simulate(trace, plan, replayed, half=half)
+    planned = simulate(trace, plan, spec, half=half)
+    seconds = op_seconds(trace, replayed, half, write_log=write_log)
+    clock = Clock(trace, plan, replayed, seconds)
+    step_ops = [op for op in times.ops if op.section != "runtime"]
+    first_back = next((op.start_s for op in step_ops if op.backward), times.step_s)
+    before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
+    cuda = times.clock == "cuda-events"
+    predicted_peak = (
+        predicted.peak_bytes - spec.workspace_bytes if cuda else (predicted.peak_tensor_bytes)
+    )
+    compute = [(op.start_s, op.end_s) for op in step_ops]
+    copies = [(c.start_s, c.end_s) for c in times.copies]
+    sim_copies = _simulated_copies(clock, record)
+    sim_compute = [(clock.start[i], clock.done_at[i]) for i in range(len(trace.ops))]
+    return Replay(
+        step=step,
+        clock=times.clock,
+        measured_step_s=times.step_s,
+        predicted_step_s=predicted.step_s,
+        planned_step_s=planned.step_s,
+        base_step_s=planned.base_step_s,
+        floor_s=_floor(record, planned.base_step_s),
+        measured_forward_s=first_back,
+        predicted_forward_s=predicted.backward_start_s,
+        measured_backward_s=times.step_s - first_back,
+        predicted_backward_s=predicted.step_s - predicted.backward_start_s,
+        measured_copy_s=_total(copies),
+        predicted_copy_s=_total(sim_copies),
+        measured_overlap=_overlap(copies, compute),
+        predicted_overlap=_overlap(sim_copies, sim_compute),
+        measured_wait_s=sum(w.end_s - w.start_s for w in times.waits),
+        predicted_wait_s=predicted.wait_s,
+        measured_peak_bytes=before + times.growth_bytes,
+        predicted_peak_bytes=predicted_peak,
+        matched_ops=matched,
+        trace_ops=len(trace.ops),
+        off_ops=_off_ops(record, measured, op_seconds(trace, spec, half), times.step_s),
+    )
+
+
+def _op_times(record: StepRecord, times: StepTimes) -> tuple[list[float | None], int]:
+    """Each trace op's recorded time (Note [A replay prices each op at its recorded time]),
+    None where no op of the step matched it; and how many matched.
+
+    The trace's ops are matched by name, in order (the longest common runs first), to the
+    model's ops the step ran. Autograd runs some of the model's views inside the runtime's
+    hooks; those stay unmatched, priced by the rates, and their time counts towards the next
+    matched op."""
+    waits = sorted((w.start_s, w.end_s) for w in times.waits)
+    replays = [(op.start_s, op.end_s) for op in times.ops if op.section == "replay"]
+    ran = [op for op in times.ops if op.section == "step" and op.name not in SKIPPED_OPS]
+    names = [op.name for op in record.trace.ops]
+    matcher = difflib.SequenceMatcher(None, names, [op.name for op in ran], autojunk=False)
+    pairs = [
+        (block.a + k, ran[block.b + k])
+        for block in matcher.get_matching_blocks()
+        for k in range(block.size)
+    ]
+    measured: list[float | None] = [None] * len(names)
+    previous = 0.0
+    for index, op in pairs:
+        between = _within(waits, previous, op.start_s) + _within(replays, previous, op.start_s)
+        measured[index] = max(op.end_s - previous - between, op.end_s - op.start_s)
+        previous = op.end_s
+    return measured, len(pairs)
+
+
+def _within(spans: Sequence[tuple[float, float]], begin: float, end: float) -> float:
+    return sum(max(0.0, min(b, end) - max(a, begin)) for a, b in spans)
+
+
+def _total(spans: Iterable[tuple[float, float]]) -> float:
+    return sum(max(0.0, b - a) for a, b in spans)
+
+
+def _overlap(
+    copies: Sequence[tuple[float, float]], compute: Sequence[tuple[float, float]]
+) -> float:
+    """Share of the copies' time during which some op ran."""
+    total = _total(copies)
+    if total <= 0:
+        return 0.0
+    merged: list[list[float]] = []
+    for a, b in sorted(compute):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    spans = [(a, b) for a, b in merged]
+    return sum(_within(spans, a, b) for a, b in copies) / total
+
+
+def _simulated_copies(clock: Clock, record: StepRecord) -> list[tuple[float, float]]:
+    """The simulated copies' spans: out as the clock ran them, in ending where it had them
+    back."""
+    spec, entries = record.spec, clock.entries
+    spans = [(clock.out_start[o], clock.out_done[o]) for o in clock.out_done]
+    for ordinal, done in clock.in_done.items():
+        size = entries[ordinal][1]
+        took = (
+            costs.spill_read_s(spec, size)
+            if ordinal in clock.spill
+            else costs.copy_in_s(spec, size)
+        )
+        spans.append((done - took, done))
+    return spans
+
+
+def _floor(record: StepRecord, kernels_s: float) -> float:
+    """The larger of the link's time for the plan's bytes and the kernels' (`Replay.floor_s`)."""
+    plan, spec = record.plan, record.spec
+    if plan is None:
+        return kernels_s
+    entries = record.trace.entries()
+    moved = sum(entries[i][1] for i in plan.offload)
+    link = max(costs.copy_out_s(spec, moved), costs.copy_in_s(spec, moved)) if moved else 0.0
+    return max(link, kernels_s)
+
+
+def _off_ops(
+    record: StepRecord, measured: list[float | None], planned_seconds: list[float], step_s: float
+) -> tuple[OpGap, ...]:
+    found = []
+    floor = step_s / 1000
+    for index, (got, priced) in enumerate(zip(measured, planned_seconds, strict=True)):
+        if got is None or max(got, priced) < floor:
+            continue
+        if abs(priced - got) > SLOW_SHARE * got:
+            op = record.trace.ops[index]
+            found.append(OpGap(index, op.name, op.module, priced, got))
+            if len(found) == 10:
+                break
+    return tuple(found)
+
+
+def format_replay(result: Replay) -> str:
+    """The replay as a side-by-side table, and the ops priced far off."""
+
+    def row(name: str, measured: float, predicted: float, unit: str = "s") -> str:
+        off = (predicted / measured - 1) * 100 if measured else 0.0
+        if unit == "bytes":
+            return (
+                f"  {name:<22} {format_bytes(int(measured)):>12} "
+                f"{format_bytes(int(predicted)):>12} {off:+7.1f}%"
+            )
+        return f"  {name:<22} {measured:>12.4f} {predicted:>12.4f} {off:+7.1f}%"
+
+    lines = [
+        f"[LMS] Step {result.step} ({result.clock}): {result.matched_ops} of {result.trace_ops} "
+        "traced ops matched to the step's",
+        f"  {'':<22} {'measured':>12} {'replayed':>12} {'off':>8}",
+        row("step (s)", result.measured_step_s, result.predicted_step_s),
+        row("forward (s)", result.measured_forward_s, result.predicted_forward_s),
+        row("backward (s)", result.measured_backward_s, result.predicted_backward_s),
+        row("copies (s)", result.measured_copy_s, result.predicted_copy_s),
+        row("waits (s)", result.measured_wait_s, result.predicted_wait_s),
+        row("peak", result.measured_peak_bytes, result.predicted_peak_bytes, "bytes"),
+        f"  copies overlapping ops: {100 * result.measured_overlap:.0f}% measured, "
+        f"{100 * result.predicted_overlap:.0f}% replayed",
+        f"[LMS] The plan predicted {result.planned_step_s:.4f} s against a no-offload step of "
+        f"{result.base_step_s:.4f} s; floor {result.floor_s:.4f} s (the larger of the link's time "
+        "for the bytes it moves and the kernels'); measured "
+        f"{result.measured_step_s / result.floor_s:.2f}x the floor"
+        if result.floor_s > 0
+        else "",
+    ]
+    if result.off_ops:
+        lines.append(f"[LMS] First ops priced more than {SLOW_SHARE:.0%} off what they took:")
+        for gap in result.off_ops:
+            lines.append(
+                f"  op {gap.index:>5} {gap.name:<40} {gap.module:<28} priced "
+                f"{gap.planned_s * 1e3:9.3f} ms, took {gap.measured_s * 1e3:9.3f} ms"
+            )
+    return "\n".join(line for line in lines if line)
+
+
+def plot_replay(path: str | os.PathLike[str], record: StepRecord, result: Replay) -> None:
+    """Write a PNG of the step's timeline as measured (top) and as replayed (bottom): ops,
+    copies out and in, waits."""
+    from matplotlib.figure import Figure
+
+    times = next(s for s in record.steps if s.number == result.step)
+    trace, plan, spec, half = record.trace, record.plan, record.spec, record.half
+    measured, _ = _op_times(record, times)
+    timings = OpTimings(
+        trace.fingerprint(),
+        tuple(None if s is None else max(s - spec.op_overhead_s, 0.0) for s in measured),
+    )
+    replayed = dataclasses.replace(spec, copies_take_compute=False).with_op_timings(timings)
+    write_log = plan is not None and bool(plan.recompute)
+    clock = Clock(trace, plan, replayed, op_seconds(trace, replayed, half, write_log=write_log))
+    figure = Figure(figsize=(11, 4.5))
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    lanes = {"ops": 3, "out": 2, "in": 1, "waits": 0}
+
+    def draw(axes: Any, spans: dict[str, list[tuple[float, float]]], title: str) -> None:
+        colors = {"ops": "tab:blue", "out": "tab:orange", "in": "tab:green", "waits": "tab:red"}
+        for lane, rows in spans.items():
+            axes.broken_barh(
+                [(a * 1e3, max(b - a, 0.0) * 1e3) for a, b in rows],
+                (lanes[lane] - 0.4, 0.8),
+                color=colors[lane],
+            )
+        axes.set_yticks(list(lanes.values()), list(lanes))
+        axes.set_title(title, fontsize=10)
+
+    draw(
+        top,
+        {
+            "ops": [(op.start_s, op.end_s) for op in times.ops if op.section != "runtime"],
+            "out": [(c.start_s, c.end_s) for c in times.copies if c.direction == "out"],
+            "in": [(c.start_s, c.end_s) for c in times.copies if c.direction == "in"],
+            "waits": [(w.start_s, w.end_s) for w in times.waits],
+        },
+        f"measured: {result.measured_step_s:.4f} s",
+    )
+    sim_in = _simulated_copies(clock, record)[len(clock.out_done) :]
+    draw(
+        bottom,
+        {
+            "ops": [(clock.start[i], clock.done_at[i]) for i in range(len(trace.ops))],
+            "out": [(clock.out_start[o], clock.out_done[o]) for o in clock.out_done],
+            "in": sim_in,
+            "waits": [],
+        },
+        f"replayed: {result.predicted_step_s:.4f} s",
+    )
+    bottom.set_xlabel("ms from the step's start")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)

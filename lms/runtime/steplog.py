@@ -1,0 +1,215 @@
+"""`StepLog`: the runtime's record of the steps it runs, op by op (`lms.core.steprecord`).
+
+Note: [One clock for a step record]
+Every time in a record is seconds from the step's start on one clock. On a card that clock is the
+card's: each mark is a CUDA event recorded on a stream (ops and waits on the compute stream,
+copies on their copy streams), read once the step has ended and the card synchronized, so an op's
+start and end are when the card ran it, not when Python queued it. A wait is the span between two
+marks on the compute stream around the runtime's wait for a copy: what the card stood still for.
+On a CPU, and for spill files' reads and writes on their I/O thread, the clock is the host's wall
+clock, taken at the step's start after the card synchronized, so both clocks start together. Ops
+are seen by a dispatch mode on the step's thread (and on autograd's, which inherits it); the
+runtime's own ops inside its hooks are marked ``runtime``, recomputations ``replay``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lms.core.junctions import in_backward
+from lms.core.steprecord import CopyTime, OpTime, StepTimes, WaitTime
+from lms.runtime.heap import PeakMemory, current_rss_bytes, heap_in_use_bytes
+
+__all__ = ["StepLog"]
+
+_COUNTERS_AT_PEAK = ("peak_resident_saved_bytes", "peak_host_bytes", "peak_disk_bytes")
+
+
+class StepLog:
+    """The steps an `lms.LMS` runs from `lms.LMS.record_steps` on, timed (Note [One clock for a
+    step record])."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.steps: list[StepTimes] = []
+        self._section = "step"
+        self._ops: list[tuple[str, str, bool, Any, Any, int, int]] = []
+        self._copies: list[tuple[str, int, int, str, Any, Any, Any]] = []
+        self._io: dict[tuple[str, int], tuple[int, int, Any]] = {}  # spill I/O asked for
+        self._io_times: list[tuple[str, int, float, float]] = []  # from the I/O thread
+        self._waits: list[tuple[int, Any, Any]] = []
+        self._mode: _OpTimer | None = None
+        self._peak: PeakMemory | None = None
+        self._start: Any = None
+        self._wall0 = 0.0
+        self._number = 0
+        self._start_bytes = 0
+        self._counters: dict[str, float] = {}
+
+    # -- marks ---------------------------------------------------------------------------------
+    def mark(self) -> Any:
+        """Now, on the step's clock: a CUDA event on the current stream, or the wall clock."""
+        if self.cuda:
+            from lms.runtime._cuda import timing_event
+
+            return timing_event()
+        return time.perf_counter()
+
+    def _seconds(self, mark: Any) -> float:
+        if isinstance(mark, float):
+            return mark - self._wall0
+        return float(self._start.elapsed_time(mark)) / 1000.0
+
+    # -- a step --------------------------------------------------------------------------------
+    def begin(self, number: int, counters: dict[str, float]) -> None:
+        """Start recording step ``number``; ``counters``: the runtime's counters now."""
+        self._number = number
+        self._counters = dict(counters)
+        self._ops, self._copies, self._waits, self._io, self._io_times = [], [], [], {}, []
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start_bytes = torch.cuda.memory_allocated(self.device)
+            self._start = self.mark()
+        else:
+            self._peak = PeakMemory().__enter__()
+            self._start_bytes = heap_in_use_bytes() or 0
+        self._wall0 = time.perf_counter()
+        self._mode = _OpTimer(self)
+        self._mode.__enter__()
+
+    def end(self, counters: dict[str, float]) -> None:
+        """Finish the step: stop seeing ops, read the marks, keep the step's times."""
+        if self._mode is None:
+            return
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        stop = self.mark()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            assert self._peak is not None
+            self._peak.__exit__(None, None, None)
+            peak = self._start_bytes + max(self._peak.heap_growth_bytes or 0, 0)
+        seconds = self._seconds
+        ops = tuple(
+            OpTime(name, section, backward, seconds(a), seconds(b), allocated, reserved)
+            for name, section, backward, a, b, allocated, reserved in self._ops
+        )
+        copies = [
+            CopyTime(direction, ordinal, nbytes, tier, seconds(q), seconds(a), seconds(b))
+            for direction, ordinal, nbytes, tier, q, a, b in self._copies
+        ]
+        for direction, key, start, finish in self._io_times:
+            asked = self._io.get((direction, key))
+            if asked is not None:
+                ordinal, nbytes, queued = asked
+                copies.append(
+                    CopyTime(
+                        direction,
+                        ordinal,
+                        nbytes,
+                        "disk",
+                        seconds(queued),
+                        start - self._wall0,
+                        finish - self._wall0,
+                    )
+                )
+        step = {
+            name: value - self._counters.get(name, 0)
+            for name, value in counters.items()
+            if name not in _COUNTERS_AT_PEAK
+        }
+        step.update({name: counters[name] for name in _COUNTERS_AT_PEAK if name in counters})
+        self.steps.append(
+            StepTimes(
+                number=self._number,
+                clock="cuda-events" if self.cuda else "wall",
+                step_s=seconds(stop),
+                start_bytes=self._start_bytes,
+                peak_bytes=peak,
+                ops=ops,
+                copies=tuple(sorted(copies, key=lambda c: c.start_s)),
+                waits=tuple(WaitTime(o, seconds(a), seconds(b)) for o, a, b in self._waits),
+                stats=step,
+            )
+        )
+
+    @property
+    def recording(self) -> bool:
+        """Whether a step is being recorded now."""
+        return self._mode is not None
+
+    # -- what the runtime reports --------------------------------------------------------------
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        """Ops run inside are marked ``name`` (``runtime``, ``replay``)."""
+        outer, self._section = self._section, name
+        try:
+            yield
+        finally:
+            self._section = outer
+
+    def wrap(self, hook: Callable[..., Any], name: str) -> Callable[..., Any]:
+        """``hook`` with the ops it runs marked ``name``."""
+
+        @functools.wraps(hook)
+        def marked(*args: Any) -> Any:
+            with self.section(name):
+                return hook(*args)
+
+        return marked
+
+    def copy(
+        self, direction: str, ordinal: int, nbytes: int, queued: Any, start: Any, end: Any
+    ) -> None:
+        """A copy to or from host memory, with its marks."""
+        if self.recording:
+            self._copies.append((direction, ordinal, nbytes, "host", queued, start, end))
+
+    def spill_asked(self, direction: str, key: int, ordinal: int, nbytes: int) -> None:
+        """A spill file's write (``out``) or read (``in``) of entry ``key`` was queued now."""
+        if self.recording:
+            self._io[(direction, key)] = (ordinal, nbytes, self.mark())
+
+    def spill_done(self, direction: str, key: int, start: float, end: float) -> None:
+        """The I/O thread's wall-clock times of that write or read (any thread)."""
+        if self.recording:
+            self._io_times.append((direction, key, start, end))
+
+    def wait(self, ordinal: int, start: Any, end: Any) -> None:
+        """The step waited for entry ``ordinal`` between the marks ``start`` and ``end``."""
+        if self.recording:
+            self._waits.append((ordinal, start, end))
+
+    def _note_op(self, name: str, start: Any, end: Any) -> None:
+        if self.cuda:
+            allocated = torch.cuda.memory_allocated(self.device)
+            reserved = torch.cuda.memory_reserved(self.device)
+        else:
+            allocated, reserved = heap_in_use_bytes() or 0, current_rss_bytes()
+        self._ops.append((name, self._section, in_backward(), start, end, allocated, reserved))
+
+
+class _OpTimer(TorchDispatchMode):
+    """Marks each op's start and end (Note [One clock for a step record])."""
+
+    def __init__(self, log: StepLog):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        log = self.log
+        start = log.mark()
+        out = func(*args, **(kwargs or {}))
+        log._note_op(str(func), start, log.mark())
+        return out

@@ -1,0 +1,168 @@
+"""Step records (`lms.LMS.record_steps`) and their replay (`lms replay`): every committed record
+replays within 10% of its measured step time and 3% of its peak; a record holds what the step
+did (copies, waits, replays) without changing a bit of it; bad records and misuse are refused."""
+
+import gzip
+import json
+import pathlib
+
+import pytest
+import torch
+
+import lms
+from lms.cli import EXIT_BAD_INPUT, main
+from lms.core.steprecord import RECORD_FORMAT, load_record
+from lms.report.replay import replay
+from tests.conftest import assert_bitwise, recomputing_plan, run_step
+
+RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+RECORDS = sorted(RESULTS.glob("**/*.json.gz"))
+
+
+def test_records_are_committed():
+    assert any(path.parent.name == "records-cpu" for path in RECORDS), RECORDS
+
+
+@pytest.mark.parametrize("path", RECORDS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_committed_record_replays_within_10pct_of_its_step_and_3pct_of_its_peak(path):
+    record = load_record(path)
+    result = replay(record)
+    assert result.matched_ops >= 0.8 * result.trace_ops, result
+    assert abs(result.predicted_step_s / result.measured_step_s - 1) <= 0.10, result
+    assert abs(result.predicted_peak_bytes / result.measured_peak_bytes - 1) <= 0.03, result
+    if record.plan is not None and record.plan.offload:
+        assert any(step.copies for step in record.steps)
+    assert path.stat().st_size < 16 * 2**20
+
+
+def _conv_stack():
+    torch.manual_seed(0)
+    layers = []
+    for c in (3, 16, 16, 16, 16, 16):
+        layers += [torch.nn.Conv2d(c, 16, 3, padding=1), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers), torch.randn(1, 3, 96, 96)
+
+
+def _step(model, batch):
+    loss = model(*batch).square().mean()
+    loss.backward()
+    return loss
+
+
+def _recorded(spill_dir, budget_share=0.6, steps=2):
+    from lms.analysis import simulate, trace_step
+    from lms.orchestration.local import local_device_spec
+
+    model, x = _conv_stack()
+    trace = trace_step(model, [x], _step, device="cpu")
+    peak = simulate(trace, None, local_device_spec(torch.device("cpu"))).peak_bytes
+    offload = lms.LMS(budget=int(budget_share * peak), tier="disk", spill_dir=spill_dir)
+    offload.tune(model, [x], _step)
+    offload.record_steps("cpu")
+    for _ in range(steps):
+        run_step(model, [x], offload)
+    return model, x, offload
+
+
+def test_record_holds_each_copy_wait_and_op_and_reads_back_equal(spill_dir, tmp_path):
+    model, x, offload = _recorded(spill_dir)
+    plan = offload.plan
+    assert plan is not None and plan.offload
+    path = tmp_path / "steps.json.gz"
+    offload.save_record(str(path), meta={"case": "test"})
+    record = load_record(path)
+    assert record.to_dict() == offload.step_record(meta={"case": "test"}).to_dict()
+    assert record.trace == offload.step_record().trace
+    assert record.meta["case"] == "test" and record.meta["torch"] == torch.__version__
+    assert [step.number for step in record.steps] == [1, 2]
+    last = record.steps[-1]
+    moved = set(plan.offload)
+    outs = [c for c in last.copies if c.direction == "out"]
+    assert {c.ordinal for c in outs} == moved
+    assert all(c.tier == "disk" and c.queued_s <= c.start_s <= c.end_s for c in last.copies)
+    assert {c.ordinal for c in last.copies if c.direction == "in"} <= moved
+    model_ops = [op for op in last.ops if op.section == "step"]
+    assert any(op.backward for op in model_ops) and not model_ops[0].backward
+    assert all(op.start_s <= op.end_s <= last.step_s for op in last.ops)
+    assert last.peak_bytes >= last.start_bytes
+    assert last.stats["offloaded_bytes"] == sum(c.nbytes for c in outs)
+    result = replay(record)
+    assert result.matched_ops == result.trace_ops
+    assert result.measured_copy_s > 0 and result.predicted_copy_s > 0
+
+
+def test_recording_changes_no_bit_of_a_recomputing_plan(spill_dir):
+    from lms.analysis import trace_step
+
+    model, x = _conv_stack()
+    trace = trace_step(model, [x], _step, device="cpu")
+    plan = recomputing_plan(trace)
+    assert plan.recompute
+    reference = run_step(model, [x])
+    offload = lms.LMS(plan=plan, tier="disk", spill_dir=spill_dir)
+    offload.record_steps("cpu")
+    for _ in range(2):
+        assert_bitwise(reference, run_step(model, [x], offload))
+    sections = {op.section for op in offload._log.steps[-1].ops}
+    assert "replay" in sections, sections
+
+
+def test_a_record_needs_recorded_steps_and_a_tuned_plan(spill_dir):
+    model, x = _conv_stack()
+    offload = lms.LMS(budget="1GiB", tier="disk", spill_dir=spill_dir)
+    with pytest.raises(lms.LMSError, match="record_steps"):
+        offload.step_record()
+    offload.record_steps("cpu")
+    run_step(model, [x], offload)
+    with pytest.raises(lms.LMSError, match="tune"):
+        offload.step_record()
+
+
+def test_a_file_that_is_no_record_is_refused_by_name(tmp_path, capsys):
+    bad = tmp_path / "plain.json.gz"
+    with gzip.open(bad, "wt") as handle:
+        json.dump({"format": "something-else"}, handle)
+    with pytest.raises(ValueError, match=RECORD_FORMAT):
+        load_record(bad)
+    text = tmp_path / "text.txt"
+    text.write_text("hello")
+    assert main(["replay", str(text)]) == EXIT_BAD_INPUT
+    assert "not a readable step record" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path / "missing.json.gz")]) == EXIT_BAD_INPUT
+
+
+def test_replay_writes_its_json_and_refuses_a_step_not_recorded(spill_dir, tmp_path, capsys):
+    _, _, offload = _recorded(spill_dir)
+    path = tmp_path / "steps.json.gz"
+    offload.save_record(str(path))
+    out = tmp_path / "replay.json"
+    assert main(["-q", "replay", str(path), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    for key in ("measured_step_s", "predicted_step_s", "measured_peak_bytes"):
+        assert data[key] > 0, key
+    assert data["predicted_peak_bytes"] > 0 and data["base_step_s"] > 0
+    assert "measured" in capsys.readouterr().out
+    assert main(["replay", str(path), "--step", "7"]) == EXIT_BAD_INPUT
+    assert "step 7 was not recorded" in capsys.readouterr().err
+
+
+def test_train_records_only_what_it_can_replay(tmp_path, capsys):
+    argv = ["train", "--model", "tinylm", "--seq-len", "64", "--steps", "1"]
+    assert main([*argv, "--record", str(tmp_path / "r.json.gz")]) == EXIT_BAD_INPUT
+    assert "no budget" in capsys.readouterr().err
+    assert not (tmp_path / "r.json.gz").exists()
+
+
+def test_a_record_that_fails_to_save_leaves_no_file(spill_dir, tmp_path, monkeypatch):
+    _, _, offload = _recorded(spill_dir, steps=1)
+    record = offload.step_record()
+    folder = tmp_path / "out"
+    folder.mkdir()
+
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(gzip.GzipFile, "write", full)
+    with pytest.raises(OSError, match="No space"):
+        record.save(folder / "steps.json.gz")
+    assert list(folder.iterdir()) == []

@@ -397,3 +397,28 @@ def test_hugging_face_checkpointing_is_a_peer_for_its_models():
     assert result.method == "hf_checkpoint" and result.peak_bytes > 0 and result.loss > 0
     with pytest.raises(ValueError, match="hf_checkpoint takes a Hugging Face model"):
         train("tinylm", size=16, steps=1, method="hf_checkpoint", progress=False)
+
+
+def test_the_compile_peer_compiles_its_model_under_the_activation_budget(monkeypatch):
+    """Method compile_budget: the model goes through torch.compile, whose partitioner reads
+    ``activation_memory_budget`` while the first step compiles it (here a stand-in compiler
+    notes the setting each time the model runs)."""
+    import torch._functorch.config as functorch_config
+
+    from lms.harness.train import COMPILE_BUDGET
+
+    seen = []
+
+    def compiled(model):
+        def run(*args, **kwargs):
+            seen.append(functorch_config.activation_memory_budget)
+            return model(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", compiled)
+    before = functorch_config.activation_memory_budget
+    result = train("tinylm", size=32, steps=2, method="compile_budget", progress=False)
+    assert seen == [COMPILE_BUDGET] * 2 and before != COMPILE_BUDGET
+    assert functorch_config.activation_memory_budget == before  # restored
+    assert result.method == "compile_budget" and result.step_s > 0

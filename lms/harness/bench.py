@@ -29,7 +29,15 @@ __all__ = ["bench", "plot_bench", "child_main", "BENCH_METHODS"]
 log = logging.getLogger("lms.bench")
 
 _CHILD = "from lms.harness.bench import child_main; child_main()"
-BENCH_METHODS = ("none", "lms", "lms_free_held", "save_on_cpu", "checkpoint", "hf_checkpoint")
+BENCH_METHODS = (
+    "none",
+    "lms",
+    "lms_free_held",
+    "save_on_cpu",
+    "checkpoint",
+    "hf_checkpoint",
+    "compile_budget",
+)
 """`lms train`'s methods, and "lms_free_held": LMS whose plans may empty what the step's code
 holds (`lms.LMSConfig.free_held`)."""
 

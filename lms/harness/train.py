@@ -2,9 +2,12 @@
 
 Methods: ``none`` (plain), ``lms`` (this library, tuned to the budget), ``save_on_cpu``
 (`torch.autograd.graph.save_on_cpu`), ``checkpoint`` (non-reentrant activation checkpointing of
-every block). Memory is the device's peak allocation on a GPU; on the CPU, the weights, buffers and
-batch the step starts with plus the growth of the C heap in use over the step (Note [The C heap in
-use, not the resident set, measures a CPU step]), the scope of a budget and of the simulator.
+every block), ``hf_checkpoint`` (a Hugging Face model's own gradient checkpointing),
+``compile_budget`` (``torch.compile`` whose partitioner recomputes to keep `COMPILE_BUDGET` of
+the activations: ``torch._functorch.config.activation_memory_budget``). Memory is the device's
+peak allocation on a GPU; on the CPU, the weights, buffers and batch the step starts with plus the
+growth of the C heap in use over the step (Note [The C heap in use, not the resident set, measures
+a CPU step]), the scope of a budget and of the simulator.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+from lms.analysis.simulate import simulate
 from lms.core.errors import LMSError, step_failed
 from lms.core.keep import no_offload_in, submodules
 from lms.core.units import check_counts, format_bytes, format_rate
@@ -30,7 +34,10 @@ from lms.runtime import LMS
 __all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks"]
 
 log = logging.getLogger("lms.harness.train")
-METHODS = ("none", "lms", "save_on_cpu", "checkpoint", "hf_checkpoint")
+METHODS = ("none", "lms", "save_on_cpu", "checkpoint", "hf_checkpoint", "compile_budget")
+COMPILE_BUDGET = 0.5
+"""``activation_memory_budget`` of the "compile_budget" method: the share of the activations
+torch.compile's partitioner may keep for backward (0 recomputes all it can, 1 keeps all)."""
 _SNAPSHOT_ENTRIES = 200_000
 """Allocator events a memory snapshot keeps: a ResNet50 step makes about 5000."""
 
@@ -101,6 +108,12 @@ def _allocator_history(path: str) -> Iterator[None]:
         torch.cuda.memory._dump_snapshot(path)
         torch.cuda.memory._record_memory_history(enabled=None)
         log.info("[LMS] the CUDA allocator's history of the steps is in %s", path)
+
+
+@contextlib.contextmanager
+def _both(first: Any, second: Any) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 @contextlib.contextmanager
@@ -192,6 +205,12 @@ def train(
 
     label = f"{model_name} {size} {method}"
     recording = _allocator_history(memory_snapshot) if memory_snapshot else _nothing()
+    if method == "compile_budget":  # compiled at the first step, under the budget's setting
+        import torch._functorch.config as functorch_config
+
+        model = torch.compile(model)  # type: ignore[assignment]
+        budgeted = functorch_config.patch(activation_memory_budget=COMPILE_BUDGET)
+        recording = _both(recording, budgeted)
     run = SampledSteps(steps, cuda)  # Note [Steps timed without the sampler]
     with recording:
         loss, times, peaks = _run_steps(
@@ -384,13 +403,23 @@ def _log_result(result: TrainResult, memory: Any, unit: str) -> None:
         format_bytes(result.peak_bytes),
         measure,
     )
+    plan = result.plan
+    if plan is not None and "base_step_s" in plan:
+        log.info(
+            "[LMS] The plan predicted %.4f s a step (%+.1f%% over a no-offload step of %.4f s "
+            "at the op times and rates it was priced on); measured %.4f s",
+            plan["predicted_step_s"],
+            100 * plan["predicted_overhead"],
+            plan["base_step_s"],
+            result.step_s,
+        )
 
 
 def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:
     if offload is None or offload.plan is None:
         return None
     plan = offload.plan
-    return {
+    summary = {
         "predicted_peak_bytes": plan.predicted_peak_bytes,
         "predicted_overhead": plan.predicted_overhead,
         "budget_bytes": plan.budget_bytes,
@@ -402,6 +431,11 @@ def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:
         "free_held": len(plan.free_held),
         "entries": plan.num_entries,
     }
+    if offload.priced_on is not None:  # the no-offload step the plan was priced against
+        trace, spec, half = offload.priced_on
+        summary["base_step_s"] = simulate(trace, None, spec, half=half).step_s
+        summary["predicted_step_s"] = simulate(trace, plan, spec, half=half).step_s
+    return summary
 
 
 def load_images(folder: str, model: str, size: int, batch_size: int) -> list[torch.Tensor]:

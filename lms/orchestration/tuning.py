@@ -135,12 +135,13 @@ def tune_step(
     save_plan(plan, path)
     log.info(
         "[LMS] Tuned in %.2f s: offload %d of %d saved storages, predicted peak %.2f GiB, "
-        "overhead %+.1f%%; saved to %s",
+        "overhead %+.1f%% over a no-offload step of %.4f s; saved to %s",
         time.perf_counter() - started,
         len(plan.offload),
         plan.num_entries,
         plan.predicted_peak_bytes / 1024**3,
         100 * plan.predicted_overhead,
+        simulate(trace, None, spec, half=half).step_s,
         path,
     )
     return TunedStep(plan, trace, spec, half)

@@ -151,6 +151,12 @@ class LMS:
     def plan(self, plan: Plan | None) -> None:
         self._follow.plan = plan
 
+    @property
+    def priced_on(self) -> tuple[Trace, DeviceSpec, bool] | None:
+        """What `tune` priced the plan on: the trace, the device spec (with the op times it
+        measured) and whether at half precision; None before `tune`."""
+        return self._tuned
+
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> LMS:
         # Note: [One step at a time]

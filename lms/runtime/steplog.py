@@ -172,9 +172,10 @@ class StepLog:
     def copy(
         self, direction: str, ordinal: int, nbytes: int, queued: Any, start: Any, end: Any
     ) -> None:
-        """A copy to or from host memory, with its marks."""
+        """A copy to or from host memory, with its marks (``start`` None: taken as queued)."""
         if self.recording:
-            self._copies.append((direction, ordinal, nbytes, "host", queued, start, end))
+            began = queued if start is None else start
+            self._copies.append((direction, ordinal, nbytes, "host", queued, began, end))
 
     def spill_asked(self, direction: str, key: int, ordinal: int, nbytes: int) -> None:
         """A spill file's write (``out``) or read (``in``) of entry ``key`` was queued now."""

@@ -471,3 +471,49 @@ def test_ops_timed_on_the_card_price_a_resnet_step_near_its_run():
         torch.cuda.synchronize()
         measured = time.perf_counter() - start
     assert 0.5 < predicted.base_step_s / measured < 2.0
+
+
+def test_a_step_record_on_cuda_times_ops_copies_and_waits_on_the_cards_clock(
+    deterministic_cudnn, tmp_path
+):
+    """`LMS.record_steps` on a card: CUDA events time each op and each copy on its stream; the
+    record replays, and recording changes no bit of the step."""
+    from lms.analysis import simulate, trace_step
+    from lms.core.steprecord import load_record
+    from lms.orchestration.local import local_device_spec
+    from lms.report.replay import replay
+
+    torch.manual_seed(0)
+    layers = []
+    for c in (3, 64, 64, 64, 64, 64, 64):
+        layers += [nn.Conv2d(c, 64, 3, padding=1), nn.ReLU()]
+    model = nn.Sequential(*layers).cuda()
+    x = torch.randn(4, 3, 256, 256, device="cuda")
+
+    def step(m, batch):
+        loss = m(*batch).square().mean()
+        loss.backward()
+        return loss
+
+    trace = trace_step(model, [x], step, device=torch.device("cuda"))
+    plain = simulate(trace, None, local_device_spec(torch.device("cuda"))).peak_bytes
+    ref = run_step(model, (x,))
+    offload = lms.LMS(budget=int(0.6 * plain), tier="host")
+    offload.tune(model, [x], step)
+    offload.record_steps()
+    for _ in range(3):
+        assert_bitwise(ref, run_step(model, (x,), offload))
+    path = tmp_path / "steps.json.gz"
+    offload.save_record(str(path))
+    record = load_record(path)
+    last = record.steps[-1]
+    assert last.clock == "cuda-events"
+    assert {c.ordinal for c in last.copies if c.direction == "out"} == set(offload.plan.offload)
+    assert all(c.tier == "host" and 0 <= c.start_s < c.end_s for c in last.copies)
+    assert all(op.start_s <= op.end_s <= last.step_s for op in last.ops)
+    assert last.peak_bytes > last.start_bytes
+    result = replay(record)
+    assert result.matched_ops >= 0.9 * result.trace_ops, result
+    assert result.measured_copy_s > 0 and result.predicted_copy_s > 0
+    print(result)
+    offload.close()

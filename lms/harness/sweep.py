@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from lms.analysis import device_spec as lookup_spec
 from lms.analysis import simulate, trace_step
-from lms.core.errors import PlanInfeasibleError
+from lms.core.errors import PlanInfeasibleError, StepFailedError
 from lms.core.units import check_counts, format_bytes, parse_bytes
 from lms.harness.zoo import zoo_model
 from lms.planning import plan_auto
@@ -22,6 +22,9 @@ from lms.planning import plan_auto
 __all__ = ["sweep", "plot_sweep"]
 
 log = logging.getLogger("lms.harness.sweep")
+
+_FIND_START_TRIES = 64
+"""Sizes a sweep without a start passes over, at most, before it gives up on the model."""
 
 
 # Long by design: the seed's protocol as one loop, each size traced, simulated and planned, the
@@ -41,11 +44,15 @@ def sweep(
 ) -> dict[str, Any]:
     """Sweep edge sizes ``start, start+step, ...`` until even LMS cannot fit the step; with
     ``free_held``, plans may empty what the step's code holds (`lms.LMSConfig.free_held`).
+    Without ``start``, the sweep starts at ``step`` and passes over the sizes the model itself
+    rejects (a U-Net below its smallest input), up to the first it takes, saying so in one line.
 
     Returns a JSON-ready dict with ``max_size_without_lms``, ``max_size_with_lms`` and ``points``.
 
     Raises:
         ValueError: a step or start below 1, no memory, or a batch the model cannot train on.
+        StepFailedError: the model rejects the given ``start``, or every size up to
+            ``max_size`` (or `_FIND_START_TRIES` sizes) when it starts on its own.
     """
     entry = zoo_model(model)
     entry.check_batch(batch_size)
@@ -57,16 +64,39 @@ def sweep(
     points: list[dict[str, Any]] = []
     max_plain = max_lms = None
     bar = tqdm(desc=f"sweep {model}", unit="size", disable=not progress)
+    rejected: list[int] = []
     while max_size is None or size <= max_size:
         started = time.perf_counter()
-        trace = trace_step(
-            entry.build,
-            _batch_of(entry, size, batch_size),
-            entry.step_fn,
-            device="cpu",
-            autocast=torch.bfloat16 if amp else None,
-            name=model,
-        )
+        try:
+            trace = trace_step(
+                entry.build,
+                _batch_of(entry, size, batch_size),
+                entry.step_fn,
+                device="cpu",
+                autocast=torch.bfloat16 if amp else None,
+                name=model,
+            )
+        except StepFailedError as error:
+            # Note: [A sweep finds its own start]
+            # Below some size a model cannot run its step (a U-Net pools its input down to one
+            # voxel, and its norms need more). Without a given start, those sizes are passed
+            # over up to the first the model takes; a size rejected after that, or a start the
+            # user gave, is an error of its own.
+            if start is not None or points or len(rejected) >= _FIND_START_TRIES:
+                raise
+            rejected.append(size)
+            if len(rejected) == 1:
+                first_error = str(error).removeprefix("lms: ")
+            size += step
+            continue
+        if rejected and not points:
+            log.info(
+                "[LMS] %s rejects sizes %s (%s); the sweep starts at %d",
+                model,
+                _span(rejected),
+                first_error.split("\n")[0].split(" (at ")[0][:200],
+                size,
+            )
         plain = simulate(trace, None, spec, half=half)
         elements = batch_size * entry.elements(size)
         point: dict[str, Any] = {
@@ -137,6 +167,10 @@ def sweep(
         entry.unit,
     )
     return result
+
+
+def _span(sizes: list[int]) -> str:
+    return str(sizes[0]) if len(sizes) == 1 else f"{sizes[0]} to {sizes[-1]}"
 
 
 def _batch_of(entry: Any, size: int, batch_size: int) -> Any:

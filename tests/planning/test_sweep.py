@@ -55,3 +55,21 @@ def test_a_sweep_that_could_not_grow_or_fit_is_refused_before_tracing():
     ):
         with pytest.raises(ValueError, match=message):
             sweep("resnet50", progress=False, **arguments)
+
+
+def test_a_sweep_without_a_start_passes_over_sizes_the_model_rejects(caplog):
+    """Note [A sweep finds its own start]: the 3D U-Net cannot take 16^3 (its norms see one
+    voxel); a sweep by 16 starts at 32 and says so, and a start given at 16 is the model's
+    error, before any point."""
+    import logging
+
+    pytest.importorskip("monai")
+    from lms.core.errors import StepFailedError
+    from lms.harness.sweep import sweep
+
+    with caplog.at_level(logging.INFO, logger="lms.harness.sweep"):
+        result = sweep("unet3d", gpu_memory="32GiB", step=16, max_size=32, progress=False)
+    assert [p["size"] for p in result["points"]] == [32]
+    assert "unet3d rejects sizes 16" in caplog.text and "starts at 32" in caplog.text
+    with pytest.raises(StepFailedError, match="spatial element"):
+        sweep("unet3d", gpu_memory="32GiB", step=16, start=16, max_size=32, progress=False)

@@ -112,7 +112,7 @@ def _write_json(path: str, result: dict[str, Any]) -> None:
         json.dump({**versions, **result}, out, indent=2)
 
 
-def _write(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[str], None]) -> None:
+def _write(args: argparse.Namespace, result: dict[str, Any], plot: Callable[[str], object]) -> None:
     """Write ``--json`` and ``--plot`` where asked."""
     if args.json:
         _write_json(args.json, result)

@@ -18,11 +18,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from lms.core.units import check_counts, format_bytes, format_rate, parse_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["bench", "plot_bench", "child_main", "BENCH_METHODS"]
 
@@ -245,14 +248,12 @@ def summarize(
     }
 
 
-def plot_bench(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
+def plot_bench(result: dict[str, Any], path: str | os.PathLike[str]) -> Figure:
     """PNG of the measured data rate against the edge size, one line per method."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig = Figure(figsize=(9, 5))
+    ax = fig.subplots()
     unit = "pixels"
     markers = itertools.cycle("os^Dv")  # a shape a method: equal rates stay visible
     for method, marker in zip(result["largest_size"], markers, strict=False):
@@ -278,4 +279,4 @@ def plot_bench(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

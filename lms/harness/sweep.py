@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -18,6 +18,9 @@ from lms.core.errors import PlanInfeasibleError, StepFailedError
 from lms.core.units import check_counts, format_bytes, parse_bytes
 from lms.harness.zoo import zoo_model
 from lms.planning import plan_auto
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["sweep", "plot_sweep"]
 
@@ -177,12 +180,9 @@ def _batch_of(entry: Any, size: int, batch_size: int) -> Any:
     return lambda: entry.make_batch(size, batch_size)
 
 
-def plot_sweep(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
+def plot_sweep(result: dict[str, Any], path: str | os.PathLike[str]) -> Figure:
     """PNG of the predicted data rate against the edge size, without and with LMS."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     unit = result["unit"]
     scale, label = (1e6, f"mega{unit}/s") if unit != "tokens" else (1e3, "ktokens/s")
@@ -193,7 +193,8 @@ def plot_sweep(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
         for p in points
         if p.get("fits_with_lms") and not p["fits_without_lms"]
     ]
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig = Figure(figsize=(9, 5))
+    ax = fig.subplots()
     if plain:
         ax.plot(*zip(*plain, strict=True), "o-", label="without LMS", color="tab:red")
     if with_lms:
@@ -210,4 +211,4 @@ def plot_sweep(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from lms.core.errors import PlanInfeasibleError
 from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.core.units import parse_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["analyze", "Report"]
 
@@ -75,11 +78,11 @@ class Report:
         for line in self.lines():
             logger.info("%s", line)
 
-    def plot(self, path: str | os.PathLike[str]) -> None:
-        """Write the simulated memory graph (PNG)."""
+    def plot(self, path: str | os.PathLike[str]) -> Figure:
+        """Write the simulated memory graph (PNG); the figure too (`lms.report.plot`)."""
         from lms.report.plot import plot_memory
 
-        plot_memory(
+        return plot_memory(
             path,
             self.plain,
             self.planned if self.needed else None,

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from lms.analysis.simulate import SimResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["plot_memory"]
 
@@ -18,16 +22,13 @@ def plot_memory(
     *,
     budget_bytes: int,
     title: str,
-) -> None:
-    """Write a PNG: device memory against the budget (top), offloaded bytes on host (bottom)."""
-    import matplotlib
+) -> Figure:
+    """Write a PNG: device memory against the budget (top), offloaded bytes on host (bottom);
+    the figure too. Drawn on a figure of its own, with no pyplot state and no backend set."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(10, 6.5), sharex=False, gridspec_kw={"height_ratios": [3, 1.4]}
-    )
+    fig = Figure(figsize=(10, 6.5))
+    top, bottom = fig.subplots(2, 1, sharex=False, gridspec_kw={"height_ratios": [3, 1.4]})
 
     def draw(axes, result: SimResult, values: tuple[int, ...], **style) -> None:  # type: ignore[no-untyped-def]
         ms = [t * 1e3 for t in result.timeline_s]
@@ -65,4 +66,4 @@ def plot_memory(
         bottom.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

@@ -19,7 +19,7 @@ import dataclasses
 import difflib
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lms.analysis.clock import Clock
 from lms.analysis.recorder import SKIPPED_OPS
@@ -28,6 +28,9 @@ from lms.core import costs
 from lms.core.devices import OpTimings
 from lms.core.steprecord import StepRecord, StepTimes
 from lms.core.units import format_bytes
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["OpGap", "Replay", "replay", "format_replay", "plot_replay"]
 
@@ -291,9 +294,9 @@ def format_replay(result: Replay) -> str:
     return "\n".join(line for line in lines if line)
 
 
-def plot_replay(path: str | os.PathLike[str], record: StepRecord, result: Replay) -> None:
+def plot_replay(path: str | os.PathLike[str], record: StepRecord, result: Replay) -> Figure:
     """Write a PNG of the step's timeline as measured (top) and as replayed (bottom): ops,
-    copies out and in, waits."""
+    copies out and in, waits; the figure too (no pyplot state, no backend set)."""
     from matplotlib.figure import Figure
 
     times = next(s for s in record.steps if s.number == result.step)
@@ -345,3 +348,4 @@ def plot_replay(path: str | os.PathLike[str], record: StepRecord, result: Replay
     bottom.set_xlabel("ms from the step's start")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
+    return figure

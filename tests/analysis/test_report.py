@@ -5,6 +5,9 @@ import dataclasses
 import json
 import pickle
 import pickletools
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -324,10 +327,43 @@ def test_the_analysis_is_logged_before_the_planner_speaks(caplog):
     assert order == sorted(order), logged
 
 
-def test_plot_writes_a_png(report, tmp_path):
+def test_plot_writes_a_png_of_the_simulated_memory(report, tmp_path):
     path = tmp_path / "memory.png"
-    report.plot(path)
+    figure = report.plot(path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    top = figure.axes[0]
+    plain, planned, budget = top.get_lines()
+    gib = 1024**3
+    assert max(plain.get_ydata()) * gib == pytest.approx(max(report.plain.device_bytes))
+    assert max(planned.get_ydata()) * gib == pytest.approx(max(report.planned.device_bytes))
+    assert list(plain.get_xdata()) == pytest.approx([t * 1e3 for t in report.plain.timeline_s])
+    assert budget.get_ydata()[0] * gib == pytest.approx(report.budget_bytes)
+
+
+def test_plots_leave_pyplot_and_the_backend_alone(tmp_path):
+    """Every plot draws on a figure of its own: no pyplot state, no backend switched."""
+    script = textwrap.dedent(
+        f"""
+        import matplotlib, sys, torch
+        from lms import analyze
+        from lms.harness.sweep import plot_sweep
+        matplotlib.use("pdf")  # a user's choice, which the plots must keep
+        backend = lambda: dict.__getitem__(matplotlib.rcParams, "backend")  # without resolving
+        report = analyze(lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()),
+                         lambda: [torch.randn(512, 64)], gpu_memory="1GiB")
+        report.plot({str(tmp_path / "a.png")!r})
+        point = dict(size=8, fits_without_lms=True, rate_without_lms=1e6, fits_with_lms=True,
+                     rate_with_lms=1e6)
+        plot_sweep(dict(unit="pixels", points=[point], model="m", batch_size=1,
+                        gpu_memory_bytes=2**30, device_spec=dict(name="cpu", link="disk")),
+                   {str(tmp_path / "b.png")!r})
+        assert "matplotlib.pyplot" not in sys.modules, "pyplot imported"
+        assert backend() == "pdf", backend()
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 def test_snapshot_is_what_memory_viz_reads(report, tmp_path):

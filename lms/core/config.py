@@ -14,10 +14,12 @@ import dataclasses
 import os
 from typing import Literal
 
+from typing_extensions import TypedDict
+
 from lms.core.sync import SyncMode
 from lms.core.units import parse_bytes
 
-__all__ = ["LMSConfig", "Tier", "AUTO_MIN_OFFLOAD_BYTES", "AUTO_SWAPIN_AHEAD"]
+__all__ = ["LMSConfig", "LMSSettings", "Tier", "AUTO_MIN_OFFLOAD_BYTES", "AUTO_SWAPIN_AHEAD"]
 
 Tier = Literal["auto", "host", "disk"]
 AUTO_MIN_OFFLOAD_BYTES = 256 * 1024
@@ -135,3 +137,21 @@ class LMSConfig:
     def sync_in(self) -> bool:
         """Whether copies in happen on demand only (sync modes 2 and 3)."""
         return SyncMode(self.sync_mode).on_demand
+
+
+class LMSSettings(TypedDict, total=False):
+    """`LMSConfig`'s fields as the keyword arguments `lms.LMS` takes, for type checkers: a
+    misspelt setting or a value of the wrong type is an error before the code runs (each
+    field's meaning is on `LMSConfig`)."""
+
+    budget: int | str | None
+    tier: Tier
+    swapout_threshold: int
+    swapin_ahead: int
+    swapin_groupby: int
+    sync_mode: int
+    min_offload_bytes: int | str
+    spill_dir: str | None
+    spill_reserve: int | str
+    host_budget: int | str | None
+    free_held: bool

@@ -48,7 +48,7 @@ class OpTime:
     allocated_bytes: int
     """Device memory allocated when the op ended; on a CPU, the C heap in use."""
     reserved_bytes: int
-    """Device memory the caching allocator held then; on a CPU, the resident set."""
+    """Device memory the caching allocator held then; 0 on a CPU."""
 
 
 @dataclasses.dataclass(frozen=True)

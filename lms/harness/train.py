@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from lms.analysis.simulate import simulate
+from lms.core.config import Tier
 from lms.core.errors import LMSError, step_failed
 from lms.core.keep import no_offload_in, submodules
 from lms.core.units import check_counts, format_bytes, format_rate
@@ -129,7 +130,7 @@ def train(
     steps: int = 3,
     method: str = "lms",
     budget: int | str | None = None,
-    tier: str = "auto",
+    tier: Tier = "auto",
     host_budget: int | str | None = None,
     amp: bool = False,
     device: str | None = None,

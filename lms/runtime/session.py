@@ -17,9 +17,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
 from lms.core import policy
-from lms.core.config import LMSConfig
+from lms.core.config import LMSConfig, LMSSettings
 from lms.core.devices import DeviceSpec
 from lms.core.errors import LMSError
 from lms.core.junctions import in_backward
@@ -81,7 +82,7 @@ class LMS:
         config: LMSConfig | None = None,
         plan: Plan | None = None,
         model: torch.nn.Module | Iterable[torch.nn.Module] | None = None,
-        **settings: Any,
+        **settings: Unpack[LMSSettings],
     ):
         if config is not None and settings:
             raise ValueError("lms: pass either config= or settings, not both")

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lms.core.junctions import in_backward
 from lms.core.steprecord import CopyTime, OpTime, StepTimes, WaitTime
-from lms.runtime.heap import PeakMemory, current_rss_bytes, heap_in_use_bytes
+from lms.runtime.heap import PeakMemory, heap_in_use_bytes
 
 __all__ = ["StepLog"]
 
@@ -196,8 +196,8 @@ class StepLog:
         if self.cuda:
             allocated = torch.cuda.memory_allocated(self.device)
             reserved = torch.cuda.memory_reserved(self.device)
-        else:
-            allocated, reserved = heap_in_use_bytes() or 0, current_rss_bytes()
+        else:  # the resident set is left out: reading it costs each op as much again
+            allocated, reserved = heap_in_use_bytes() or 0, 0
         self._ops.append((name, self._section, in_backward(), start, end, allocated, reserved))
 
 

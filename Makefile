@@ -20,8 +20,8 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check lms tests benchmarks
-	$(VENV)/bin/ruff format --check lms tests benchmarks
+	$(VENV)/bin/ruff check lms tests benchmarks examples
+	$(VENV)/bin/ruff format --check lms tests benchmarks examples
 	$(VENV)/bin/mypy lms
 
 bench: $(STAMP)

@@ -197,7 +197,14 @@ def _describe(point: dict[str, Any]) -> str:
         return str(point.get("error", "failed"))
     rate = format_rate(point["elements_per_s"], point["unit"])
     over = "" if point["fits"] else " (over budget)"
-    return f"{point['step_s']:.3f} s/step, {rate}, peak {format_bytes(point['peak_bytes'])}{over}"
+    text = f"{point['step_s']:.3f} s/step, {rate}, peak {format_bytes(point['peak_bytes'])}{over}"
+    plan = point.get("plan") or {}
+    if "base_step_s" in plan:  # what the plan was priced against, and what it predicted
+        text += (
+            f"; predicted {plan['predicted_step_s']:.3f} s against a no-offload step of "
+            f"{plan['base_step_s']:.3f} s"
+        )
+    return text
 
 
 def _fits(run: dict[str, Any], limit: int | None) -> bool:

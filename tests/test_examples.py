@@ -15,6 +15,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
         ("train_under_a_budget.py", "plan moves"),
         ("record_and_replay.py", "traced ops matched"),
         ("plan_for_another_gpu.py", "Predicted peak with LMS"),
+        ("lightning_fit.py", "batches under LMS"),
+        ("huggingface_trainer.py", "micro-batches"),
     ],
 )
 def test_example_runs(script, says, tmp_path):
@@ -30,5 +32,11 @@ def test_example_runs(script, says, tmp_path):
 
 
 def test_every_example_is_run():
-    tested = {"train_under_a_budget.py", "record_and_replay.py", "plan_for_another_gpu.py"}
+    tested = {
+        "train_under_a_budget.py",
+        "record_and_replay.py",
+        "plan_for_another_gpu.py",
+        "lightning_fit.py",
+        "huggingface_trainer.py",
+    }
     assert {path.name for path in EXAMPLES.glob("*.py")} == tested

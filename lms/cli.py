@@ -209,7 +209,7 @@ def _replay(args: argparse.Namespace) -> int:
     print(format_replay(result))
     _write(
         args,
-        {"record": args.record_file, **record.meta, **result.as_dict()},
+        {"record": args.record_file, "record_meta": record.meta, **result.as_dict()},
         lambda path: plot_replay(path, record, result),
     )
     return EXIT_OK

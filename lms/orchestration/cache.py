@@ -30,13 +30,19 @@ __all__ = ["ENV_VAR", "cache_folder", "cache_path", "load_cached", "planner_code
 
 log = logging.getLogger("lms.orchestration.tuning")
 ENV_VAR = "LMS_CACHE_DIR"
-"""Environment variable naming the plan cache folder (default ``~/.cache/lms/plans``)."""
+"""Environment variable naming the plan cache folder (default: the user's cache folder for
+``lms``, as `platformdirs` finds it, then ``plans``: ``~/.cache/lms/plans`` on Linux)."""
 
 
 def cache_folder(cache_dir: str | None = None) -> str:
-    """The plan cache: ``cache_dir``, else ``$LMS_CACHE_DIR``, else ``~/.cache/lms/plans``."""
-    default = os.path.join(os.path.expanduser("~"), ".cache", "lms", "plans")
-    return cache_dir or os.environ.get(ENV_VAR) or default
+    """The plan cache: ``cache_dir``, else ``$LMS_CACHE_DIR``, else the user's cache folder for
+    ``lms`` (``~/.cache/lms/plans`` on Linux, ``$XDG_CACHE_HOME`` honoured; the platform's own
+    elsewhere)."""
+    if cache_dir or os.environ.get(ENV_VAR):
+        return cache_dir or os.environ[ENV_VAR]
+    import platformdirs
+
+    return os.path.join(platformdirs.user_cache_dir("lms", appauthor=False), "plans")
 
 
 @functools.cache

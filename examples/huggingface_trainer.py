@@ -15,14 +15,14 @@ from lms.integrations.transformers import offload_trainer
 
 def model() -> torch.nn.Module:
     config = transformers.AutoConfig.for_model(
-        "gpt2", vocab_size=500, n_embd=128, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0
+        "gpt2", vocab_size=500, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0
     )
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def data() -> list[dict[str, torch.Tensor]]:
-    ids = torch.randint(0, 500, (8, 256), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 500, (6, 128), generator=torch.Generator().manual_seed(1))
     return [{"input_ids": row, "labels": row} for row in ids]
 
 

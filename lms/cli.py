@@ -73,7 +73,10 @@ _MODEL_HELP = (
 )
 _AMP_HELP = "bfloat16 autocast"
 _SPEC_HELP = "device spec to simulate (see lms.analysis.DEVICES; default v100-32gb)"
-_JSON_HELP = "write the results here as JSON (with the lms and torch versions)"
+_JSON_HELP = (
+    "write the results here as JSON, with the lms and torch versions; its keys are documented "
+    "in the command's JSON schema, lms/schemas/COMMAND.schema.json"
+)
 _FREE_HELD_HELP = (
     "let the plan empty tensors the step's code holds but no longer reads (the input batch), "
     "filled again in place for backward"

@@ -117,3 +117,17 @@ def recomputing_plan(trace):
             chosen.add(ordinal)
     candidates = Candidates(trace, device_spec("cpu"), budget_bytes=2**40)
     return candidates.plan(range(candidates.num_entries), source="test", recompute=chosen)
+
+
+def check_schema(command, data):
+    """Validate ``data``, what ``lms COMMAND --json`` wrote, against the command's JSON schema
+    (``lms/schemas/COMMAND.schema.json``), whose every key is documented."""
+    import json
+    import pathlib
+
+    import jsonschema
+
+    folder = pathlib.Path(__file__).resolve().parents[1] / "lms" / "schemas"
+    schema = json.loads((folder / f"{command}.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(data, schema, cls=jsonschema.Draft202012Validator)

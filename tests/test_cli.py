@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from lms.cli import EXIT_CODES, build_parser, main
+from tests.conftest import check_schema
 
 
 def _lms(*argv, **kwargs):
@@ -18,6 +19,7 @@ def _lms(*argv, **kwargs):
 def test_json_to_stdout_parses_and_logs_go_to_stderr():
     done = _lms("analyze", "--model", "tinylm", "--image-size", "64", "--json", "/dev/stdout")
     report = json.loads(done.stdout)
+    check_schema("analyze", report)
     assert report["lms_version"] and report["torch_version"]
     assert "[LMS]" in done.stderr and "[LMS]" not in done.stdout
     assert done.returncode == 0 and report["fits"]

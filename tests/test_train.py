@@ -14,6 +14,7 @@ from lms.core.errors import StepFailedError
 from lms.harness.bench import summarize
 from lms.harness.train import checkpoint_blocks, train
 from lms.harness.zoo import ZOO
+from tests.conftest import check_schema
 
 
 def test_every_method_trains_and_measures():
@@ -88,7 +89,9 @@ def test_cli_train_writes_json(tmp_path):
         == 0
     )
     result = json.loads(out.read_text())
+    check_schema("train", result)
     assert result["unit"] == "voxels" and result["method"] == "lms"
+    assert result["plan"]["base_step_s"] > 0
     assert result["elements_per_s"] == result["samples_per_s"] * 32**3
 
 
@@ -296,6 +299,7 @@ def test_cli_bench_measures_each_run_in_its_own_process(tmp_path):
     argv += ["--json", str(out), "--plot", str(plot)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
+    check_schema("bench", result)
     assert [(p["method"], p["fits"], len(p["step_s_runs"])) for p in result["points"]] == [
         ("none", True, 2),
         ("lms", True, 2),

@@ -13,7 +13,7 @@ import lms
 from lms.cli import EXIT_BAD_INPUT, main
 from lms.core.steprecord import RECORD_FORMAT, load_record
 from lms.report.replay import replay
-from tests.conftest import assert_bitwise, recomputing_plan, run_step
+from tests.conftest import assert_bitwise, check_schema, recomputing_plan, run_step
 
 RESULTS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 RECORDS = sorted(RESULTS.glob("**/*.json.gz"))
@@ -138,6 +138,7 @@ def test_replay_writes_its_json_and_refuses_a_step_not_recorded(spill_dir, tmp_p
     out = tmp_path / "replay.json"
     assert main(["-q", "replay", str(path), "--json", str(out)]) == 0
     data = json.loads(out.read_text())
+    check_schema("replay", data)
     for key in ("measured_step_s", "predicted_step_s", "measured_peak_bytes"):
         assert data[key] > 0, key
     assert data["predicted_peak_bytes"] > 0 and data["base_step_s"] > 0

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from lms.cli import main
+from tests.conftest import check_schema
 
 
 def test_sweep_finds_both_limits_and_writes_json_and_plot(tmp_path):
@@ -21,7 +22,7 @@ def test_sweep_finds_both_limits_and_writes_json_and_plot(tmp_path):
             "--step",
             "384",
             "--max-size",
-            "2304",
+            "1152",
             "--json",
             str(out),
             "--plot",
@@ -30,6 +31,7 @@ def test_sweep_finds_both_limits_and_writes_json_and_plot(tmp_path):
     )
     assert code == 0
     result = json.loads(out.read_text())
+    check_schema("sweep", result)
     plain, with_lms = result["max_size_without_lms"], result["max_size_with_lms"]
     assert plain is not None and with_lms is not None and with_lms > plain
     points = result["points"]

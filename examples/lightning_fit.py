@@ -32,7 +32,7 @@ class Net(pl.LightningModule):
 
 def main() -> None:
     torch.manual_seed(0)
-    x, y = torch.randn(8, 3, 192, 192), torch.randint(0, 10, (8,))
+    x, y = torch.randn(8, 3, 128, 128), torch.randint(0, 10, (8,))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=2)
     net = Net()
 

@@ -46,8 +46,8 @@ def test_version_names_lms_and_torch():
 
 def test_quiet_turns_the_progress_bars_off():
     argv = ["sweep", "--model", "tinylm", "--gpu-memory", "1GiB", "--step", "64", "--max-size"]
-    loud = _lms(*argv, "128")
-    quiet = _lms("-q", *argv, "128")
+    loud = _lms(*argv, "64")
+    quiet = _lms("-q", *argv, "64")
     assert loud.returncode == quiet.returncode == 0, quiet.stderr
     assert "size/s" in loud.stderr and "size/s" not in quiet.stderr
 

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint docs bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
+
+# The API reference from the docstrings; a warning fails it.
+docs: $(STAMP)
+	$(VENV)/bin/python -m sphinx -W --keep-going -q -b html docs docs/_build/html
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check lms tests benchmarks examples

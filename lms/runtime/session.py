@@ -62,7 +62,8 @@ class LMS:
     Use one object for the whole run and one ``with`` block per step: it records the first step
     and decides at save time from the second on, and it reuses its host buffers.
 
-    Example:
+    Example::
+
         offload = lms.LMS(budget="10GiB")
         for x, y in loader:
             with offload:
@@ -74,6 +75,10 @@ class LMS:
     ``model`` (a module or several) names the models the steps run: their parameters and buffers
     stay, known from the start (`tune` notes its model too). Without it, a hook on every module
     call finds them, which splits a model compiled in place into more graphs.
+
+    Attributes:
+        stats: what the runtime moved and what it cost (`lms.LMSStats`), over every step.
+        config: the settings (`lms.LMSConfig`).
     """
 
     def __init__(

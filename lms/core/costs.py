@@ -16,6 +16,7 @@ __all__ = [
     "copy_in_s",
     "copy_out_s",
     "fresh_pages_s",
+    "floor_s",
     "fresh_read_s",
     "link_s",
     "replay_s",
@@ -95,3 +96,11 @@ def compute_s(
 def replay_s(op_seconds: Sequence[float], ops: Iterable[int]) -> float:
     """Seconds a replay takes: the ops it runs again, each at its price in the step."""
     return sum(op_seconds[k] for k in ops)
+
+
+def floor_s(spec: DeviceSpec, moved_bytes: int, kernels_s: float) -> float:
+    """The least a step that moves ``moved_bytes`` out and back can take: the larger of its
+    kernels' time and the link's time for those bytes, each direction on its own channel."""
+    if not moved_bytes:
+        return kernels_s
+    return max(kernels_s, copy_out_s(spec, moved_bytes), copy_in_s(spec, moved_bytes))

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 from lms.analysis.simulate import simulate
+from lms.core import costs
 from lms.core.config import Tier
 from lms.core.errors import LMSError, step_failed
 from lms.core.keep import no_offload_in, submodules
@@ -408,11 +409,14 @@ def _log_result(result: TrainResult, memory: Any, unit: str) -> None:
     if plan is not None and "base_step_s" in plan:
         log.info(
             "[LMS] The plan predicted %.4f s a step (%+.1f%% over a no-offload step of %.4f s "
-            "at the op times and rates it was priced on); measured %.4f s",
+            "at the op times and rates it was priced on; floor %.4f s, the larger of that and "
+            "the link's time for the bytes it moves); measured %.4f s, %.2fx the floor",
             plan["predicted_step_s"],
             100 * plan["predicted_overhead"],
             plan["base_step_s"],
+            plan["floor_s"],
             result.step_s,
+            result.step_s / plan["floor_s"] if plan["floor_s"] else float("nan"),
         )
 
 
@@ -434,8 +438,12 @@ def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:
     }
     if offload.priced_on is not None:  # the no-offload step the plan was priced against
         trace, spec, half = offload.priced_on
-        summary["base_step_s"] = simulate(trace, None, spec, half=half).step_s
+        base = simulate(trace, None, spec, half=half).step_s
+        entries = trace.entries()
+        moved = sum(entries[i][1] for i in plan.offload)
+        summary["base_step_s"] = base
         summary["predicted_step_s"] = simulate(trace, plan, spec, half=half).step_s
+        summary["floor_s"] = costs.floor_s(spec, moved, base)
     return summary
 
 

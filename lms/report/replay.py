@@ -227,14 +227,11 @@ def _simulated_copies(clock: Clock, record: StepRecord) -> list[tuple[float, flo
 
 
 def _floor(record: StepRecord, kernels_s: float) -> float:
-    """The larger of the link's time for the plan's bytes and the kernels' (`Replay.floor_s`)."""
-    plan, spec = record.plan, record.spec
-    if plan is None:
-        return kernels_s
+    """`Replay.floor_s`: `costs.floor_s` for the bytes the plan moves."""
+    plan = record.plan
     entries = record.trace.entries()
-    moved = sum(entries[i][1] for i in plan.offload)
-    link = max(costs.copy_out_s(spec, moved), costs.copy_in_s(spec, moved)) if moved else 0.0
-    return max(link, kernels_s)
+    moved = sum(entries[i][1] for i in plan.offload) if plan is not None else 0
+    return costs.floor_s(record.spec, moved, kernels_s)
 
 
 def _off_ops(

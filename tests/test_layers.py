@@ -1,4 +1,4 @@
-"""The package's layers: each module imports only from layers below its own (README, Architecture).
+"""The package's layers: each module imports only from layers below its own (docs/architecture.md).
 
 Read from the source with `ast`, so an import inside a function counts as one at the top of the
 module: a lazy import that runs up the layers is still an arrow up.

@@ -150,6 +150,9 @@ def _analyze(args: argparse.Namespace) -> int:
         free_held=args.free_held,
     )
     _write(args, report.as_dict(), report.plot)
+    if args.html:
+        report.save_html(args.html)
+        log.info("[LMS] wrote %s", args.html)
     if args.snapshot:
         report.save_snapshot(args.snapshot)
         log.info("[LMS] wrote %s (open it at pytorch.org/memory_viz)", args.snapshot)
@@ -284,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--json", help="write the summary here")
     analyze.add_argument("--plot", help="write the memory graph (PNG) here")
     analyze.add_argument("--snapshot", help="write a memory_viz snapshot (pickle) here")
+    analyze.add_argument(
+        "--html",
+        help="write one self-contained page here: the lines, memory with and without the plan "
+        "(zoomable), the copies and the plan's table; it works offline",
+    )
     analyze.add_argument("--free-held", action="store_true", help=_FREE_HELD_HELP)
     analyze.set_defaults(run=_analyze)
 
@@ -392,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_OUTPUTS = ("json", "plot", "snapshot", "memory_snapshot", "record")
+_OUTPUTS = ("json", "plot", "snapshot", "memory_snapshot", "record", "html")
 """The options that name a file the command writes."""
 
 

@@ -45,6 +45,8 @@ class Report:
     slow_link: SimResult | None = None
     """The plan simulated with the link and the disk at `LINK_MARGIN` of their rates, where it
     moves data over them (Note [A plan's margin on the link])."""
+    half: bool = False
+    """Whether matmuls and convolutions were priced at the half-precision rate (autocast)."""
 
     @property
     def needed(self) -> bool:
@@ -88,6 +90,24 @@ class Report:
             self.planned if self.needed else None,
             budget_bytes=self.budget_bytes,
             title=f"{self.trace.name} on {self.spec.name}: simulated device memory",
+        )
+
+    def save_html(self, path: str | os.PathLike[str]) -> None:
+        """Write one self-contained page (`lms.report.html`): the lines, device memory with and
+        without the plan (zoomable), the copies and the plan's table of saved storages."""
+        from lms.report.html import write_html
+
+        write_html(
+            path,
+            title=f"{self.trace.name} on {self.spec.name}",
+            lines=self.lines(),
+            trace=self.trace,
+            spec=self.spec,
+            budget_bytes=self.budget_bytes,
+            plain=self.plain,
+            plan=self.plan,
+            planned=self.planned if self.needed else None,
+            half=self.half,
         )
 
     def save_snapshot(self, path: str | os.PathLike[str], *, with_lms: bool = True) -> None:
@@ -272,6 +292,7 @@ def report_for(
         tune_seconds,
         free_held,
         slow_link,
+        half,
     )
     for line in report.lines()[len(head) :]:
         log.info("%s", line)

@@ -497,3 +497,66 @@ def test_unknown_model_is_a_clear_error(capsys):
         from lms.harness.zoo import zoo_model
 
         zoo_model("vgg99")
+
+
+def test_the_html_report_holds_the_lines_the_memory_the_copies_and_the_plan(report, tmp_path):
+    """Note [A report that works offline]: one page, nothing fetched, whose graphs and table
+    carry the report's own numbers."""
+    import html.parser
+
+    path = tmp_path / "report.html"
+    report.save_html(path)
+    page = path.read_text()
+    assert "http://" not in page and "https://" not in page and "src=" not in page
+
+    class Read(html.parser.HTMLParser):
+        def __init__(self):
+            super().__init__()
+            self.tags, self.rows, self.row, self.cell, self.pre = [], [], None, None, ""
+            self.in_pre = False
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            self.tags.append((tag, attrs))
+            if tag == "tr" and attrs.get("class"):
+                self.row = []
+            elif tag == "td" and self.row is not None:
+                self.cell = ""
+            self.in_pre = self.in_pre or tag == "pre"
+
+        def handle_endtag(self, tag):
+            if tag == "td" and self.row is not None:
+                self.row.append(self.cell)
+                self.cell = None
+            elif tag == "tr" and self.row is not None:
+                self.rows.append(self.row)
+                self.row = None
+            elif tag == "pre":
+                self.in_pre = False
+
+        def handle_data(self, data):
+            if self.cell is not None:
+                self.cell += data
+            if self.in_pre:
+                self.pre += data
+
+    read = Read()
+    read.feed(page)
+    assert read.pre.splitlines() == report.lines()
+    memory = {a["data-name"]: int(a["data-peak"]) for t, a in read.tags if t == "polyline"}
+    assert memory == {
+        "without LMS": report.plain.peak_bytes,
+        "with LMS": report.planned.peak_bytes,
+    }
+    (budget,) = [int(a["data-bytes"]) for t, a in read.tags if t == "line"]
+    assert budget == report.budget_bytes
+    plan = report.plan
+    entries = report.trace.entries()
+    assert len(read.rows) == len(entries)
+    chosen = {int(row[0]): row[-1] for row in read.rows}
+    assert {i for i, c in chosen.items() if c.startswith("offload")} == set(plan.offload)
+    assert {i for i, c in chosen.items() if c == "recompute"} == set(plan.recompute)
+    copies = [a for t, a in read.tags if t == "rect" and a.get("class") == "copy"]
+    outs = {int(a["data-ordinal"]) for a in copies if a["data-direction"] == "out"}
+    assert outs == set(plan.offload) - set(plan.recompute)
+    assert any(t == "script" for t, _ in read.tags)  # the zoom

@@ -398,3 +398,18 @@ class Clock:
         if index is None or index >= len(self.done_at):
             return self.end_s
         return self.done_at[index]
+
+    def copy_spans(self) -> list[tuple[str, int, float, float]]:
+        """The step's copies as ``(direction, ordinal, start_s, end_s)``: each copy out as the
+        clock ran it, each copy in ending where the clock had it back (a spilled one read from
+        its file)."""
+        spans = [("out", o, self.out_start[o], done) for o, done in self.out_done.items()]
+        for ordinal, done in self.in_done.items():
+            size = self.entries[ordinal][1]
+            took = (
+                costs.spill_read_s(self.spec, size)
+                if ordinal in self.spill
+                else costs.copy_in_s(self.spec, size)
+            )
+            spans.append(("in", ordinal, done - took, done))
+        return spans

@@ -196,25 +196,39 @@ def _rows(table: dict[str, Any], kind: type) -> tuple[Any, ...]:
     )
 
 
-def _trace_to_dict(trace: Trace) -> dict[str, Any]:
+_TRACE_TABLES = {
+    "ops": OpRecord,
+    "storages": StorageRecord,
+    "events": SavedEvent,
+    "junctions": JunctionRecord,
+}
+_STEP_TABLES = {"ops": OpTime, "copies": CopyTime, "waits": WaitTime}
+
+
+def _tabled(record: Any, tables: dict[str, type], leave: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A frozen record's fields as JSON-ready values, its lists of records as `_columns`."""
     data: dict[str, Any] = {
-        field.name: getattr(trace, field.name)
-        for field in dataclasses.fields(trace)
-        if field.name not in ("ops", "storages", "events", "junctions", "calls")
+        field.name: getattr(record, field.name)
+        for field in dataclasses.fields(record)
+        if field.name not in tables and field.name not in leave
     }
-    data["ops"] = _columns(trace.ops, OpRecord)
-    data["storages"] = _columns(trace.storages, StorageRecord)
-    data["events"] = _columns(trace.events, SavedEvent)
-    data["junctions"] = _columns(trace.junctions, JunctionRecord)
+    data.update({name: _columns(getattr(record, name), kind) for name, kind in tables.items()})
     return data
 
 
-def _trace_from_dict(data: dict[str, Any]) -> Trace:
+def _untabled(data: dict[str, Any], tables: dict[str, type]) -> dict[str, Any]:
+    """`_tabled`'s values back, as a record's keyword arguments."""
     values = dict(data)
-    values["ops"] = _rows(data["ops"], OpRecord)
-    values["storages"] = _rows(data["storages"], StorageRecord)
-    values["events"] = _rows(data["events"], SavedEvent)
-    values["junctions"] = _rows(data["junctions"], JunctionRecord)
+    values.update({name: _rows(data[name], kind) for name, kind in tables.items()})
+    return values
+
+
+def _trace_to_dict(trace: Trace) -> dict[str, Any]:
+    return _tabled(trace, _TRACE_TABLES, leave=("calls",))
+
+
+def _trace_from_dict(data: dict[str, Any]) -> Trace:
+    values = _untabled(data, _TRACE_TABLES)
     values["input_shapes"] = _tupled(data["input_shapes"])
     return Trace(**values)
 
@@ -242,20 +256,8 @@ def _spec_from_dict(data: dict[str, Any]) -> DeviceSpec:
 
 
 def _step_to_dict(step: StepTimes) -> dict[str, Any]:
-    data: dict[str, Any] = {
-        field.name: getattr(step, field.name)
-        for field in dataclasses.fields(step)
-        if field.name not in ("ops", "copies", "waits")
-    }
-    data["ops"] = _columns(step.ops, OpTime)
-    data["copies"] = _columns(step.copies, CopyTime)
-    data["waits"] = _columns(step.waits, WaitTime)
-    return data
+    return _tabled(step, _STEP_TABLES)
 
 
 def _step_from_dict(data: dict[str, Any]) -> StepTimes:
-    values = dict(data)
-    values["ops"] = _rows(data["ops"], OpTime)
-    values["copies"] = _rows(data["copies"], CopyTime)
-    values["waits"] = _rows(data["waits"], WaitTime)
-    return StepTimes(**values)
+    return StepTimes(**_untabled(data, _STEP_TABLES))

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 
 from lms.analysis.clock import Clock
 from lms.analysis.simulate import SimResult, op_seconds
-from lms.core import costs
 from lms.core.devices import DeviceSpec
 from lms.core.plan import Plan
 from lms.core.records import Trace
@@ -103,18 +102,8 @@ def _copies_svg(trace: Trace, plan: Plan, spec: DeviceSpec, half: bool) -> str:
     clock = Clock(trace, plan, spec, op_seconds(trace, spec, half, write_log=write_log))
     end_s = clock.end_s or 1.0
     entries = clock.entries
-    bars = []
     lanes = (("out", 10, "#e67e22"), ("in", 40, "#27ae60"))
-    for ordinal, done in clock.out_done.items():
-        bars.append(("out", ordinal, clock.out_start[ordinal], done))
-    for ordinal, done in clock.in_done.items():
-        size = entries[ordinal][1]
-        took = (
-            costs.spill_read_s(spec, size)
-            if ordinal in clock.spill
-            else costs.copy_in_s(spec, size)
-        )
-        bars.append(("in", ordinal, done - took, done))
+    bars = clock.copy_spans()
     rects = []
     for direction, ordinal, start_s, end in bars:
         y, color = next((y, c) for name, y, c in lanes if name == direction)

@@ -130,7 +130,7 @@ def replay(record: StepRecord, *, step: int | None = None) -> Replay:
     )
     compute = [(op.start_s, op.end_s) for op in step_ops]
     copies = [(c.start_s, c.end_s) for c in times.copies]
-    sim_copies = _simulated_copies(clock, record)
+    sim_copies = _simulated_copies(clock)
     sim_compute = [(clock.start[i], clock.done_at[i]) for i in range(len(trace.ops))]
     return Replay(
         step=step,
@@ -210,20 +210,9 @@ def _overlap(
     return sum(_within(spans, a, b) for a, b in copies) / total
 
 
-def _simulated_copies(clock: Clock, record: StepRecord) -> list[tuple[float, float]]:
-    """The simulated copies' spans: out as the clock ran them, in ending where it had them
-    back."""
-    spec, entries = record.spec, clock.entries
-    spans = [(clock.out_start[o], clock.out_done[o]) for o in clock.out_done]
-    for ordinal, done in clock.in_done.items():
-        size = entries[ordinal][1]
-        took = (
-            costs.spill_read_s(spec, size)
-            if ordinal in clock.spill
-            else costs.copy_in_s(spec, size)
-        )
-        spans.append((done - took, done))
-    return spans
+def _simulated_copies(clock: Clock) -> list[tuple[float, float]]:
+    """The simulated copies' spans (`Clock.copy_spans`)."""
+    return [(start, end) for _, _, start, end in clock.copy_spans()]
 
 
 def _floor(record: StepRecord, kernels_s: float) -> float:
@@ -331,7 +320,7 @@ def plot_replay(path: str | os.PathLike[str], record: StepRecord, result: Replay
         },
         f"measured: {result.measured_step_s:.4f} s",
     )
-    sim_in = _simulated_copies(clock, record)[len(clock.out_done) :]
+    sim_in = [(a, b) for way, _, a, b in clock.copy_spans() if way == "in"]
     draw(
         bottom,
         {

@@ -28,8 +28,11 @@ def test_a_users_file_is_checked_strictly_against_the_api(tmp_path):
             """
             import torch
             import lms
+            from lms.core.sync import SyncMode
 
             offload = lms.LMS(budget="1GiB", tier="disk", free_held=True, swapin_ahead=2)
+            lms.LMS(sync_mode=SyncMode.WAIT_OUT)
+            lms.LMS(sync_mode=3)
             model = torch.nn.Linear(4, 4)
             with offload:
                 model(torch.randn(2, 4)).sum().backward()
@@ -39,7 +42,9 @@ def test_a_users_file_is_checked_strictly_against_the_api(tmp_path):
         )
     )
     bad = tmp_path / "bad.py"
-    bad.write_text('import lms\n\noffload = lms.LMS(budgt="1GiB", tier="disc")\n')
+    bad.write_text(
+        'import lms\n\noffload = lms.LMS(budgt="1GiB", tier="disc")\nlms.LMS(sync_mode=5)\n'
+    )
     done = subprocess.run(
         [
             sys.executable,
@@ -61,3 +66,4 @@ def test_a_users_file_is_checked_strictly_against_the_api(tmp_path):
     assert not [line for line in errors if "good.py" in line], done.stdout
     assert any('Unexpected keyword argument "budgt"' in line for line in errors), done.stdout
     assert any('Argument "tier"' in line and "disc" in line for line in errors), done.stdout
+    assert any('Argument "sync_mode"' in line for line in errors), done.stdout

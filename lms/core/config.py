@@ -19,9 +19,11 @@ from typing_extensions import TypedDict
 from lms.core.sync import SyncMode
 from lms.core.units import parse_bytes
 
-__all__ = ["LMSConfig", "LMSSettings", "Tier", "AUTO_MIN_OFFLOAD_BYTES", "AUTO_SWAPIN_AHEAD"]
+__all__ = ["LMSConfig", "LMSSettings", "SyncModes", "Tier", "AUTO_MIN_OFFLOAD_BYTES", "AUTO_SWAPIN_AHEAD"]
 
 Tier = Literal["auto", "host", "disk"]
+SyncModes = SyncMode | Literal[0, 1, 2, 3]
+"""A `SyncMode`, or TFLMS's number for it."""
 AUTO_MIN_OFFLOAD_BYTES = 256 * 1024
 AUTO_SWAPIN_AHEAD = 2
 
@@ -55,7 +57,7 @@ class LMSConfig:
     """Start bringing a tensor back this many uses before backward needs it; -1: auto (2)."""
     swapin_groupby: int = -1
     """Tensors used within this many levels after a prefetched one come back with it; -1: 0."""
-    sync_mode: int = SyncMode.ASYNC
+    sync_mode: SyncModes = SyncMode.ASYNC
     """How the step waits for its copies, a `SyncMode`: 0 asynchronous copies, 1 wait for each
     copy out, 2 no prefetch (copy in on demand), 3 both."""
     min_offload_bytes: int | str = -1
@@ -149,7 +151,7 @@ class LMSSettings(TypedDict, total=False):
     swapout_threshold: int
     swapin_ahead: int
     swapin_groupby: int
-    sync_mode: int
+    sync_mode: SyncModes
     min_offload_bytes: int | str
     spill_dir: str | None
     spill_reserve: int | str

@@ -19,7 +19,14 @@ from typing_extensions import TypedDict
 from lms.core.sync import SyncMode
 from lms.core.units import parse_bytes
 
-__all__ = ["LMSConfig", "LMSSettings", "SyncModes", "Tier", "AUTO_MIN_OFFLOAD_BYTES", "AUTO_SWAPIN_AHEAD"]
+__all__ = [
+    "LMSConfig",
+    "LMSSettings",
+    "SyncModes",
+    "Tier",
+    "AUTO_MIN_OFFLOAD_BYTES",
+    "AUTO_SWAPIN_AHEAD",
+]
 
 Tier = Literal["auto", "host", "disk"]
 SyncModes = SyncMode | Literal[0, 1, 2, 3]

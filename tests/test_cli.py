@@ -45,11 +45,11 @@ def test_version_names_lms_and_torch():
 
 
 def test_quiet_turns_the_progress_bars_off():
-    argv = ["sweep", "--model", "tinylm", "--gpu-memory", "1GiB", "--step", "64", "--max-size"]
-    loud = _lms(*argv, "64")
-    quiet = _lms("-q", *argv, "64")
+    argv = ["train", "--model", "tinylm", "--seq-len", "32", "--steps", "1", "--no-lms"]
+    loud = _lms(*argv)
+    quiet = _lms("-q", *argv)
     assert loud.returncode == quiet.returncode == 0, quiet.stderr
-    assert "size/s" in loud.stderr and "size/s" not in quiet.stderr
+    assert "step/s" in loud.stderr and "step/s" not in quiet.stderr
 
 
 def test_every_option_has_help_and_the_exit_codes_are_in_it():

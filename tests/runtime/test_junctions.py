@@ -301,7 +301,7 @@ SCRIPT = MODEL + textwrap.dedent(
     torch.manual_seed(0)
     fmt = torch.channels_last  # the layout the CPU convolutions work in: no hidden copies
     model = globals()[sys.argv[3]]().to(memory_format=fmt)
-    x = torch.randn(1, 3, 1024, 1024).contiguous(memory_format=fmt)
+    x = torch.randn(1, 3, 768, 768).contiguous(memory_format=fmt)
     trace = trace_step(model, [x], step, device="cpu")
     n = len(trace.entries())
     meeting = trace.junction_ordinals() if sys.argv[2] == "relieve" else {}
@@ -342,7 +342,7 @@ def _measure(folder, mode, model="Residual"):
     [("Residual", 4), ("Fan", 3)],  # 4 junctions of two; one of three
 )
 def test_relieved_junctions_lower_measured_backward_memory_as_simulated(tmp_path, model, partials):
-    activation = 16 * 1024 * 1024 * 4
+    activation = 16 * 768 * 768 * 4
     held = _measure(tmp_path, "hold", model)
     relieved = _measure(tmp_path, "relieve", model)
     assert relieved["relieved"] == 2 * partials  # 2 steps

@@ -127,7 +127,7 @@ models = st.tuples(
 
 @pytest.mark.filterwarnings("ignore:Lazy modules are a new feature")
 @settings(
-    max_examples=120,
+    max_examples=80,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],

@@ -298,7 +298,7 @@ class _PlainRecord:
     def save(self, path: str, meta: dict[str, Any]) -> None:
         from lms.core.steprecord import StepRecord
 
-        info = {"torch": torch.__version__, "device": str(self.log.device), **meta}
+        info = {**self.log.meta(), **meta}
         record = StepRecord(self.trace, None, self.spec, self.half, tuple(self.log.steps), info)
         record.save(path)
 
@@ -438,12 +438,10 @@ def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:
     }
     if offload.priced_on is not None:  # the no-offload step the plan was priced against
         trace, spec, half = offload.priced_on
-        base = simulate(trace, None, spec, half=half).step_s
-        entries = trace.entries()
-        moved = sum(entries[i][1] for i in plan.offload)
-        summary["base_step_s"] = base
-        summary["predicted_step_s"] = simulate(trace, plan, spec, half=half).step_s
-        summary["floor_s"] = costs.floor_s(spec, moved, base)
+        planned = simulate(trace, plan, spec, half=half)
+        summary["base_step_s"] = planned.base_step_s
+        summary["predicted_step_s"] = planned.step_s
+        summary["floor_s"] = costs.floor_s(spec, planned.offloaded_bytes, planned.base_step_s)
     return summary
 
 

@@ -25,7 +25,7 @@ from lms.analysis.clock import Clock
 from lms.analysis.recorder import SKIPPED_OPS
 from lms.analysis.simulate import op_seconds, simulate
 from lms.core import costs
-from lms.core.devices import OpTimings
+from lms.core.devices import DeviceSpec, OpTimings
 from lms.core.steprecord import StepRecord, StepTimes
 from lms.core.units import format_bytes
 
@@ -109,18 +109,10 @@ def replay(record: StepRecord, *, step: int | None = None) -> Replay:
         raise ValueError(f"lms: step {step} was not recorded; the record has steps {sorted(steps)}")
     times = steps[step]
     trace, plan, spec, half = record.trace, record.plan, record.spec, record.half
-    write_log = plan is not None and bool(plan.recompute)
     measured, matched = _op_times(record, times)
-    overhead = spec.op_overhead_s + (spec.write_log_op_s if write_log else 0.0)
-    timings = OpTimings(
-        trace.fingerprint(),
-        tuple(None if s is None else max(s - overhead, 0.0) for s in measured),
-    )
-    replayed = dataclasses.replace(spec, copies_take_compute=False).with_op_timings(timings)
+    replayed, clock = _replayed(record, measured)
     predicted = simulate(trace, plan, replayed, half=half)
     planned = simulate(trace, plan, spec, half=half)
-    seconds = op_seconds(trace, replayed, half, write_log=write_log)
-    clock = Clock(trace, plan, replayed, seconds)
     step_ops = [op for op in times.ops if op.section != "runtime"]
     first_back = next((op.start_s for op in step_ops if op.backward), times.step_s)
     before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
@@ -139,7 +131,7 @@ def replay(record: StepRecord, *, step: int | None = None) -> Replay:
         predicted_step_s=predicted.step_s,
         planned_step_s=planned.step_s,
         base_step_s=planned.base_step_s,
-        floor_s=_floor(record, planned.base_step_s),
+        floor_s=costs.floor_s(spec, planned.offloaded_bytes, planned.base_step_s),
         measured_forward_s=first_back,
         predicted_forward_s=predicted.backward_start_s,
         measured_backward_s=times.step_s - first_back,
@@ -156,6 +148,21 @@ def replay(record: StepRecord, *, step: int | None = None) -> Replay:
         trace_ops=len(trace.ops),
         off_ops=_off_ops(record, measured, op_seconds(trace, spec, half), times.step_s),
     )
+
+
+def _replayed(record: StepRecord, measured: list[float | None]) -> tuple[DeviceSpec, Clock]:
+    """The spec the replay prices at (the recorded op times, copies beside compute: Note [A
+    replay prices each op at its recorded time]) and the clock it runs the plan on."""
+    trace, plan, spec, half = record.trace, record.plan, record.spec, record.half
+    write_log = plan is not None and bool(plan.recompute)
+    overhead = spec.op_overhead_s + (spec.write_log_op_s if write_log else 0.0)
+    timings = OpTimings(
+        trace.fingerprint(),
+        tuple(None if s is None else max(s - overhead, 0.0) for s in measured),
+    )
+    replayed = dataclasses.replace(spec, copies_take_compute=False).with_op_timings(timings)
+    clock = Clock(trace, plan, replayed, op_seconds(trace, replayed, half, write_log=write_log))
+    return replayed, clock
 
 
 def _op_times(record: StepRecord, times: StepTimes) -> tuple[list[float | None], int]:
@@ -213,14 +220,6 @@ def _overlap(
 def _simulated_copies(clock: Clock) -> list[tuple[float, float]]:
     """The simulated copies' spans (`Clock.copy_spans`)."""
     return [(start, end) for _, _, start, end in clock.copy_spans()]
-
-
-def _floor(record: StepRecord, kernels_s: float) -> float:
-    """`Replay.floor_s`: `costs.floor_s` for the bytes the plan moves."""
-    plan = record.plan
-    entries = record.trace.entries()
-    moved = sum(entries[i][1] for i in plan.offload) if plan is not None else 0
-    return costs.floor_s(record.spec, moved, kernels_s)
 
 
 def _off_ops(
@@ -286,15 +285,8 @@ def plot_replay(path: str | os.PathLike[str], record: StepRecord, result: Replay
     from matplotlib.figure import Figure
 
     times = next(s for s in record.steps if s.number == result.step)
-    trace, plan, spec, half = record.trace, record.plan, record.spec, record.half
-    measured, _ = _op_times(record, times)
-    timings = OpTimings(
-        trace.fingerprint(),
-        tuple(None if s is None else max(s - spec.op_overhead_s, 0.0) for s in measured),
-    )
-    replayed = dataclasses.replace(spec, copies_take_compute=False).with_op_timings(timings)
-    write_log = plan is not None and bool(plan.recompute)
-    clock = Clock(trace, plan, replayed, op_seconds(trace, replayed, half, write_log=write_log))
+    _, clock = _replayed(record, _op_times(record, times)[0])
+    spans = clock.copy_spans()
     figure = Figure(figsize=(11, 4.5))
     top, bottom = figure.subplots(2, 1, sharex=True)
     lanes = {"ops": 3, "out": 2, "in": 1, "waits": 0}
@@ -320,13 +312,12 @@ def plot_replay(path: str | os.PathLike[str], record: StepRecord, result: Replay
         },
         f"measured: {result.measured_step_s:.4f} s",
     )
-    sim_in = [(a, b) for way, _, a, b in clock.copy_spans() if way == "in"]
     draw(
         bottom,
         {
-            "ops": [(clock.start[i], clock.done_at[i]) for i in range(len(trace.ops))],
-            "out": [(clock.out_start[o], clock.out_done[o]) for o in clock.out_done],
-            "in": sim_in,
+            "ops": [(clock.start[i], clock.done_at[i]) for i in range(len(record.trace.ops))],
+            "out": [(a, b) for way, _, a, b in spans if way == "out"],
+            "in": [(a, b) for way, _, a, b in spans if way == "in"],
             "waits": [],
         },
         f"replayed: {result.predicted_step_s:.4f} s",

@@ -39,7 +39,6 @@ from lms.core.records import Trace
 from lms.core.steprecord import StepRecord
 from lms.core.sync import SyncMode
 from lms.core.units import format_bytes
-from lms.core.version import __version__
 from lms.runtime.follow import Follow
 from lms.runtime.pool import available_host_bytes
 from lms.runtime.recompute import Replays
@@ -331,9 +330,7 @@ class LMS:
                 "LMS.tune(model, batch, step) before recording"
             )
         trace, spec, half = self._tuned
-        info = {"torch": torch.__version__, "lms": __version__, "device": str(self._log.device)}
-        if self._log.cuda:
-            info["device_name"] = torch.cuda.get_device_name(self._log.device)
+        info = self._log.meta()
         return StepRecord(
             trace=trace,
             plan=self.plan,

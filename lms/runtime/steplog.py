@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lms.core.junctions import in_backward
 from lms.core.steprecord import CopyTime, OpTime, StepTimes, WaitTime
+from lms.core.version import __version__
 from lms.runtime.heap import PeakMemory, heap_in_use_bytes
 
 __all__ = ["StepLog"]
@@ -145,6 +146,13 @@ class StepLog:
                 stats=step,
             )
         )
+
+    def meta(self) -> dict[str, str]:
+        """What a record keeps of where it ran: the versions and the device."""
+        info = {"torch": torch.__version__, "lms": __version__, "device": str(self.device)}
+        if self.cuda:
+            info["device_name"] = torch.cuda.get_device_name(self.device)
+        return info
 
     @property
     def recording(self) -> bool:

@@ -5,7 +5,8 @@ Hugging Face GPT-2 medium (hidden 1024, 16 heads, batch 12, sequence 1024, fp32,
 ``labels=input_ids``) at 12, 24 and 48 layers, at 60% of its peak; and a Llama-3-8B-shaped model
 (32 layers, hidden 4096, 32 heads with 8 KV heads, intermediate 14336, sequence 8192, batch 1,
 bfloat16 autocast) at 70%. Random weights, built under fake tensors: nothing is downloaded and
-no real memory is taken. Writes JSON.
+no real memory is taken. Each case runs three times; writes the medians and each run's total
+as JSON.
 
     .venv/bin/python benchmarks/tune_time.py [--out benchmarks/results/tune_time_cpu.json]
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from typing import Any
 
@@ -25,6 +27,10 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from lms.analysis import device_spec, simulate, trace_step
 from lms.planning import plan_auto
 from lms.planning.blocks import repeats
+
+REPEATS = 3
+"""Each model is traced and planned this many times; the medians are reported, with every
+run's total (the first in a process pays one-time imports and caches)."""
 
 
 def _lm_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -42,14 +48,18 @@ def _half_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 
 def _case(name: str, build: Any, ids: torch.Tensor, step: Any, fraction: float, half: bool):
     spec = device_spec("h100")
-    start = time.perf_counter()
-    trace = trace_step(build, [ids], step, device="cpu", autocast=torch.bfloat16 if half else None)
-    traced = time.perf_counter() - start
-    plain = simulate(trace, None, spec, half=half)
-    budget = int(plain.peak_bytes * fraction)
-    start = time.perf_counter()
-    plan = plan_auto(trace, spec, budget, half=half)
-    planned = time.perf_counter() - start
+    traced, planned = [], []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        autocast = torch.bfloat16 if half else None
+        trace = trace_step(build, [ids], step, device="cpu", autocast=autocast)
+        traced.append(time.perf_counter() - start)
+        plain = simulate(trace, None, spec, half=half)
+        budget = int(plain.peak_bytes * fraction)
+        start = time.perf_counter()
+        plan = plan_auto(trace, spec, budget, half=half)
+        planned.append(time.perf_counter() - start)
+    tuned = sorted(t + p for t, p in zip(traced, planned, strict=True))
     row = {
         "model": name,
         "ops": len(trace.ops),
@@ -58,17 +68,19 @@ def _case(name: str, build: Any, ids: torch.Tensor, step: Any, fraction: float, 
         "plain_peak_bytes": plain.peak_bytes,
         "budget_bytes": budget,
         "fraction": fraction,
-        "trace_s": traced,
-        "plan_s": planned,
-        "tune_s": traced + planned,
+        "trace_s": statistics.median(traced),
+        "plan_s": statistics.median(planned),
+        "tune_s": statistics.median(tuned),
+        "tune_s_runs": tuned,
         "planner": plan.source,
         "predicted_overhead": plan.predicted_overhead,
         "offloaded": len(plan.offload),
         "recomputed": len(plan.recompute),
     }
     print(
-        f"{name}: {row['ops']} ops, {row['saved_storages']} saved; trace {traced:.1f} s, plan "
-        f"{planned:.2f} s at {fraction:.0%} of {plain.peak_bytes / 2**30:.1f} GiB: "
+        f"{name}: {row['ops']} ops, {row['saved_storages']} saved; trace {row['trace_s']:.1f} s, "
+        f"plan {row['plan_s']:.2f} s (tune {tuned[0]:.1f} to {tuned[-1]:.1f} s) at "
+        f"{fraction:.0%} of {plain.peak_bytes / 2**30:.1f} GiB: "
         f"{plan.predicted_overhead:+.1%} predicted",
         flush=True,
     )

@@ -52,6 +52,7 @@ class Recorder(TorchDispatchMode):
         self.op_level: list[int] = []
         self.edges = 0
         self.events: list[SavedEvent] = []
+        self.last_save: dict[int, SavedEvent] = {}  # by storage, its latest save event
         self.level = 0
         self.fixed: set[int] = set()
         self.seen_backward = False
@@ -261,9 +262,9 @@ class Recorder(TorchDispatchMode):
             or self.nbytes[sid] < max(self.min_offload_bytes, 1)
             or offload_blocked()  # as the runtime keeps it
         )
-        self.events.append(
-            SavedEvent(self.level, len(self.ops), "save", sid, self.nbytes[sid], offloadable)
-        )
+        event = SavedEvent(self.level, len(self.ops), "save", sid, self.nbytes[sid], offloadable)
+        self.events.append(event)
+        self.last_save[sid] = event
         edge = junctions.edge_of(tensor) if offloadable and sid not in self.edge_of else None
         if edge is not None:
             self.edge_of[sid] = edge
@@ -293,7 +294,7 @@ class Recorder(TorchDispatchMode):
             )
         self.level += 1
         sid, _ = self.storage_id(tensor)
-        save = next(e for e in reversed(self.events) if e.storage == sid and e.kind == "save")
+        save = self.last_save[sid]
         self.events.append(
             SavedEvent(self.level, len(self.ops), "use", sid, self.nbytes[sid], save.offloadable)
         )

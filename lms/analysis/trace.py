@@ -409,10 +409,22 @@ class _Watch:
 @functools.cache
 def _compiled_entry() -> types.CodeType | None:
     """The code every function `torch.compile` returns runs first (a module compiled in place
-    or wrapped calls one too); None where torch.compile is not available."""
+    or wrapped calls one too); None where torch.compile is not available.
+
+    The code is read from dynamo's context, where it is defined, without compiling anything:
+    the first `torch.compile` of a process takes about a second. Where dynamo defines it
+    elsewhere, one function is compiled to find it."""
+    try:
+        from torch._dynamo.eval_frame import _TorchDynamoContext
+    except Exception:  # an interpreter torch.compile does not support
+        return None
+    call = getattr(_TorchDynamoContext.__call__, "__code__", None)
+    for constant in call.co_consts if call is not None else ():
+        if isinstance(constant, types.CodeType) and constant.co_name == "compile_wrapper":
+            return constant
     try:
         wrapper = torch.compile(_identity)
-    except Exception:  # an interpreter torch.compile does not support
+    except Exception:
         return None
     return getattr(wrapper, "__code__", None)
 

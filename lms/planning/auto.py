@@ -69,8 +69,8 @@ stack of repeated blocks, planned one role at a time (Note [Plan one block, appl
 
 
 _DEPTHS = (1, 4)
-"""Runs of consecutive layers the per-role planner chooses apart: one (every layer alike) and
-four (early layers may go where late ones stay); the greedy search lands differently from each."""
+"""Runs of consecutive layers the per-role planner chooses apart: one (every layer alike), then
+four, from that plan (early layers may go where late ones stay; Note [Coarse roles first])."""
 
 
 def _fastest(
@@ -80,10 +80,7 @@ def _fastest(
         # A transformer's layers: the per-tensor search would spend thousands of simulations of a
         # long trace on choices that come out alike in every layer.
         candidates = [
-            *(
-                plan_blocks(trace, spec, budget_bytes, half=half, free_held=free_held, depths=n)
-                for n in _DEPTHS
-            ),
+            plan_blocks(trace, spec, budget_bytes, half=half, free_held=free_held, depths=_DEPTHS),
             tune_tflms(trace, spec, budget_bytes, half=half, free_held=free_held),
         ]
         return min(candidates, key=lambda plan: (plan.predicted_overhead, len(plan.offload)))

@@ -10,13 +10,25 @@ module path with the layer's index left out, its output and its size (`roles`), 
 chooses keep, offload or recompute for each role: a few dozen choices for any depth. Every
 candidate is still the whole step simulated, so the plan fits by construction, as any planner's.
 Tensors outside the repeated blocks (the embedding, the head, the loss) are roles of their own.
+
+Note: [Coarse roles first]
+A role may also be split into runs of consecutive layers (``depths``), so that early layers can
+offload where late ones keep. Searched from scratch, four runs per role give the greedy search
+four times the choices, and each of its sixteen starts (a prefetch variant, with or without
+recompute, and its longest keepable prefix) then walks all of them one by one: most of the
+planning time, for a search that often lands worse than the one with every layer alike. So
+`lms.planning.auto` asks for ``depths=(1, 4)``: one run per role first, then that plan is the
+finer search's only start, which keeps what it chose and moves single finer roles from there.
+The refined plan is never predicted slower than its start (a start stands where nothing beats
+it), and the finer search costs a fraction of the coarse one
+(`benchmarks/results/tune_time_cpu.json`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from lms.analysis.simulate import SimResult
 from lms.core.devices import DeviceSpec
@@ -65,35 +77,50 @@ def plan_blocks(
     *,
     half: bool = False,
     free_held: bool = False,
-    depths: int = 4,
+    depths: int | Sequence[int] = 4,
 ) -> Plan:
     """The plan with the shortest predicted step that fits ``budget_bytes``, choosing alike for
     every tensor of one role in each of ``depths`` runs of consecutive layers (Note [Plan one
     block, apply it to all]).
 
+    ``depths`` may be several counts, fewest first (``(1, 4)``): each search after the first
+    starts from the plan before it (Note [Coarse roles first]); the fastest plan stands.
+
     Raises:
         PlanInfeasibleError: when not even offloading everything fits.
+        ValueError: ``depths`` is empty or holds a count below one.
     """
+    counts = (depths,) if isinstance(depths, int) else tuple(depths)
+    if not counts or min(counts) < 1:
+        raise ValueError(
+            f"lms: depths must be counts of runs of layers of at least 1, not {depths!r}"
+        )
     candidates = Candidates(trace, spec, budget_bytes, half, free_held=free_held)
     plain = candidates.run(None)
     if candidates.fits(plain):
         return candidates.finish(candidates.plan((), source="planner"), plain)
-    minimum_plan, minimum = smallest_plan(candidates)
-    search = _RoleSearch(candidates, depths=depths)
-    found = search.best()
-    plan, result = found if found is not None else (minimum_plan, minimum)
-    log.info(
-        "[LMS] [Planner] %d roles over %d saved storages: offload %d, recompute %d; "
-        "swapin_ahead %d, sync_mode %d; %d simulations",
-        len(search.roles),
-        candidates.num_entries,
-        len(plan.offload),
-        len(plan.recompute),
-        plan.swapin_ahead,
-        plan.sync_mode,
-        candidates.simulations,
-    )
-    return candidates.finish(plan, result)
+    best = smallest_plan(candidates)
+    start: Plan | None = None
+    for count in counts:
+        search = _RoleSearch(candidates, depths=count)
+        found = search.best(start)
+        if found is not None:
+            if start is None or found[1].step_s < best[1].step_s:
+                best = found
+            start = best[0]
+        log.info(
+            "[LMS] [Planner] %d roles (%d runs of layers) over %d saved storages: offload %d, "
+            "recompute %d; swapin_ahead %d, sync_mode %d; %d simulations",
+            len(search.roles),
+            count,
+            candidates.num_entries,
+            len(best[0].offload),
+            len(best[0].recompute),
+            best[0].swapin_ahead,
+            best[0].sync_mode,
+            candidates.simulations,
+        )
+    return candidates.finish(*best)
 
 
 class _RoleSearch:
@@ -146,21 +173,12 @@ class _RoleSearch:
         result = self.candidates.run(self._plan(kept, remade, ahead, sync))
         return result if self.candidates.fits(result) else None
 
-    def best(self) -> tuple[Plan, SimResult] | None:
+    def best(self, start: Plan | None = None) -> tuple[Plan, SimResult] | None:
         """The fastest plan found, with its simulation; None where no candidate fits."""
         count = len(self.roles)
         ranking = sorted(range(count), key=lambda r: self.pressure[r])
         everything = set(range(count))
-        start_remade = {r for r in everything if all(i in self.recipes for i in self.roles[r])}
-        # Each prefetch variant from each starting set, its longest keepable prefix of the
-        # ranking; then each, the fastest first, takes the remaining roles one by one.
-        searched: list[tuple[float, int, set[int], set[int], int, int]] = []
-        for ahead, sync in VARIANTS:
-            for remade in (set(), start_remade):
-                kept = self._longest_prefix(ranking, remade, ahead, sync)
-                result = None if kept is None else self._run(kept, remade, ahead, sync)
-                if kept is not None and result is not None:
-                    searched.append((result.step_s, len(searched), kept, remade, ahead, sync))
+        searched = self._starts(ranking, start)
         best: tuple[float, set[int], set[int], int, int] | None = None
         for _, _, kept, remade, ahead, sync in sorted(searched):
             for role in ranking:  # then one by one
@@ -190,8 +208,43 @@ class _RoleSearch:
                         break
             if moved:
                 step_s, ahead, sync = self._fastest_variant(kept, remade, step_s, ahead, sync)
+        if searched and min(searched)[0] < step_s:  # a start stands where nothing beat it
+            step_s, _, kept, remade, ahead, sync = min(searched)
         plan = self._plan(kept, remade, ahead, sync)
         return plan, self.candidates.run(plan)
+
+    def _starts(
+        self, ranking: list[int], start: Plan | None
+    ) -> list[tuple[float, int, set[int], set[int], int, int]]:
+        """The starting points of the search, each with its predicted step: ``start``'s choices
+        alone where given (Note [Coarse roles first]); otherwise each prefetch variant's longest
+        keepable prefix of the ranking, with and without recomputing what may be."""
+        searched: list[tuple[float, int, set[int], set[int], int, int]] = []
+        if start is not None:
+            kept, remade = self._choices(start)
+            ahead, sync = start.swapin_ahead, start.sync_mode
+            result = self._run(kept, remade, ahead, sync)
+            if result is not None:
+                searched.append((result.step_s, 0, kept, remade, ahead, sync))
+            return searched
+        recomputable = {
+            r for r, members in enumerate(self.roles) if all(i in self.recipes for i in members)
+        }
+        for ahead, sync in VARIANTS:
+            for remade in (set(), recomputable):
+                prefix = self._longest_prefix(ranking, remade, ahead, sync)
+                result = None if prefix is None else self._run(prefix, remade, ahead, sync)
+                if prefix is not None and result is not None:
+                    searched.append((result.step_s, len(searched), prefix, remade, ahead, sync))
+        return searched
+
+    def _choices(self, plan: Plan) -> tuple[set[int], set[int]]:
+        """The roles ``plan`` keeps (none of their tensors offloaded) and recomputes (any)."""
+        recomputed = set(plan.recompute)
+        moved = set(plan.offload) | recomputed
+        kept = {r for r, members in enumerate(self.roles) if moved.isdisjoint(members)}
+        remade = {r for r, members in enumerate(self.roles) if not recomputed.isdisjoint(members)}
+        return kept, remade
 
     def _longest_prefix(
         self, ranking: list[int], remade: set[int], ahead: int, sync: int

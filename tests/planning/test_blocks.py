@@ -80,9 +80,29 @@ def test_the_default_planner_plans_a_deep_stack_by_role_and_keeps_the_faster_pla
     spec = device_spec("cpu")
     budget = int(simulate(trace, None, spec).peak_bytes * 0.7)
     chosen = plan_auto(trace, spec, budget)
-    by_role = plan_blocks(trace, spec, budget)
+    by_role = plan_blocks(trace, spec, budget, depths=1)
     assert chosen.predicted_overhead <= by_role.predicted_overhead
     assert simulate(trace, chosen, spec).peak_bytes <= budget
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.5])
+def test_a_finer_search_refines_the_coarse_plan_and_never_predicts_it_slower(fraction):
+    """Note [Coarse roles first]: four runs of layers searched from the one-run plan."""
+    trace, _ = _trace()
+    spec = device_spec("cpu")
+    budget = int(simulate(trace, None, spec).peak_bytes * fraction)
+    coarse = plan_blocks(trace, spec, budget, depths=1)
+    refined = plan_blocks(trace, spec, budget, depths=(1, 4))
+    assert simulate(trace, refined, spec).peak_bytes <= budget
+    assert refined.predicted_overhead <= coarse.predicted_overhead + 1e-9
+
+
+def test_depths_are_checked_before_planning():
+    trace, _ = _trace()
+    spec = device_spec("cpu")
+    for depths in ((), (0, 4)):
+        with pytest.raises(ValueError, match="depths"):
+            plan_blocks(trace, spec, 1 << 20, depths=depths)
 
 
 def test_runs_of_layers_may_differ_and_the_plan_is_followed_bitwise(spill_dir):

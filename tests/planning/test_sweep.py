@@ -16,13 +16,13 @@ def test_sweep_finds_both_limits_and_writes_json_and_plot(tmp_path):
             "-q",
             "sweep",
             "--model",
-            "resnet50",
+            "torchvision.models:resnet18",  # a user's builder: planned in seconds
             "--gpu-memory",
-            "1.6GiB",
+            "0.8GiB",
             "--step",
-            "384",
+            "512",
             "--max-size",
-            "1152",
+            "2048",
             "--json",
             str(out),
             "--plot",
@@ -35,7 +35,7 @@ def test_sweep_finds_both_limits_and_writes_json_and_plot(tmp_path):
     plain, with_lms = result["max_size_without_lms"], result["max_size_with_lms"]
     assert plain is not None and with_lms is not None and with_lms > plain
     points = result["points"]
-    assert [p["size"] for p in points][:3] == [384, 768, 1152]
+    assert [p["size"] for p in points][:3] == [512, 1024, 1536]
     for point in points:
         assert point["peak_bytes"] > 0 and "fits_without_lms" in point
         if point["fits_without_lms"]:

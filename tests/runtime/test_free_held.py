@@ -218,13 +218,16 @@ MEASURED = (
     + textwrap.dedent(
         """
     model, x = build(512)
-    budget, free_held, folder = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
-    tuner = lms.LMS(budget=budget, tier="disk", spill_dir=folder, free_held=free_held)
-    try:
-        plan = tuner.tune(model, [x], step, cache_dir=folder + "/plans")
+    budget, folder = int(sys.argv[1]), sys.argv[2]
+    infeasible = None
+    try:  # without free_held
+        lms.LMS(budget=budget, tier="disk", spill_dir=folder).tune(
+            model, [x], step, cache_dir=folder + "/plans")
     except lms.PlanInfeasibleError as error:
-        print(json.dumps({"infeasible": error.min_budget_bytes}))
-        sys.exit()
+        infeasible = error.min_budget_bytes
+    free_held = True
+    tuner = lms.LMS(budget=budget, tier="disk", spill_dir=folder, free_held=free_held)
+    plan = tuner.tune(model, [x], step, cache_dir=folder + "/plans")
     # copies awaited both ways, so that when a storage is emptied does not depend on how fast
     # the disk is
     plan = dataclasses.replace(plan, sync_mode=3)
@@ -234,7 +237,8 @@ MEASURED = (
     before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
     print(json.dumps({"measured": measured_growth(model, x, offload),
                       "simulated": sim.peak_tensor_bytes - before, "before": before,
-                      "emptied": offload.stats.emptied_bytes, "fits": sim.peak_bytes <= budget}))
+                      "emptied": offload.stats.emptied_bytes, "fits": sim.peak_bytes <= budget,
+                      "infeasible": infeasible}))
     """
     )
 )
@@ -245,13 +249,10 @@ def test_emptying_lowers_the_measured_heap_as_simulated(spill_dir):
     without it; with it the C heap grows as simulated (within 2%) and stays within the budget."""
     budget = 64 * 2**20
 
-    def run(free_held):
-        args = [sys.executable, "-c", MEASURED, str(budget), str(int(free_held)), spill_dir]
-        out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    assert run(False)["infeasible"] > budget
-    found = run(True)
+    args = [sys.executable, "-c", MEASURED, str(budget), spill_dir]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["infeasible"] is not None and found["infeasible"] > budget
     assert found["emptied"] > 0 and found["fits"]
     for growth in found["measured"][1:]:
         assert abs(growth - found["simulated"]) <= 0.02 * found["simulated"]

@@ -73,16 +73,36 @@ _DEPTHS = (1, 4)
 four, from that plan (early layers may go where late ones stay; Note [Coarse roles first])."""
 
 
+WIDER_SEARCH_OVERHEAD = 0.5
+"""Predicted overhead of the per-role plan above which the finer runs of layers are also searched
+from scratch: a budget that tight leaves the greedy search's start more say in where it lands,
+and a step that costs half as much again pays for the extra second or two of planning
+(`benchmarks/results/README.md`, "Planning time for language models")."""
+
+
 def _fastest(
     trace: Trace, spec: DeviceSpec, budget_bytes: int, *, half: bool, free_held: bool
 ) -> Plan:
     if repeats(trace) >= DEEP_STACK_REPEATS:
         # A transformer's layers: the per-tensor search would spend thousands of simulations of a
         # long trace on choices that come out alike in every layer.
+        by_role = plan_blocks(
+            trace, spec, budget_bytes, half=half, free_held=free_held, depths=_DEPTHS
+        )
         candidates = [
-            plan_blocks(trace, spec, budget_bytes, half=half, free_held=free_held, depths=_DEPTHS),
+            by_role,
             tune_tflms(trace, spec, budget_bytes, half=half, free_held=free_held),
         ]
+        if by_role.predicted_overhead > WIDER_SEARCH_OVERHEAD:
+            wider = max(_DEPTHS)
+            log.info(
+                "[LMS] [Planner] predicted %+.1f%%: searching %d runs of layers from scratch too",
+                100 * by_role.predicted_overhead,
+                wider,
+            )
+            candidates.append(
+                plan_blocks(trace, spec, budget_bytes, half=half, free_held=free_held, depths=wider)
+            )
         return min(candidates, key=lambda plan: (plan.predicted_overhead, len(plan.offload)))
     greedy = plan_greedy(trace, spec, budget_bytes, half=half, free_held=free_held)
     candidates = [greedy, tune_tflms(trace, spec, budget_bytes, half=half, free_held=free_held)]

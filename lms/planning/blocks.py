@@ -43,6 +43,10 @@ __all__ = ["plan_blocks", "repeats", "roles"]
 
 log = logging.getLogger("lms.planning")
 
+_Start = tuple[float, int, set[int], set[int], int, int]
+"""A start of the role search: its predicted step, its place, the roles kept and recomputed, and
+its prefetch variant (swapin_ahead, sync_mode)."""
+
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 """A module path's index into a list of modules (``h.5``, ``layers.12``)."""
 
@@ -213,13 +217,11 @@ class _RoleSearch:
         plan = self._plan(kept, remade, ahead, sync)
         return plan, self.candidates.run(plan)
 
-    def _starts(
-        self, ranking: list[int], start: Plan | None
-    ) -> list[tuple[float, int, set[int], set[int], int, int]]:
+    def _starts(self, ranking: list[int], start: Plan | None) -> list[_Start]:
         """The starting points of the search, each with its predicted step: ``start``'s choices
         alone where given (Note [Coarse roles first]); otherwise each prefetch variant's longest
         keepable prefix of the ranking, with and without recomputing what may be."""
-        searched: list[tuple[float, int, set[int], set[int], int, int]] = []
+        searched: list[_Start] = []
         if start is not None:
             kept, remade = self._choices(start)
             ahead, sync = start.swapin_ahead, start.sync_mode
@@ -236,7 +238,12 @@ class _RoleSearch:
                 result = None if prefix is None else self._run(prefix, remade, ahead, sync)
                 if prefix is not None and result is not None:
                     searched.append((result.step_s, len(searched), prefix, remade, ahead, sync))
-        return searched
+        # Starts that keep and recompute alike differ only in their prefetch variant, which the
+        # search tries again for what it lands on: the fastest of them stands for the others.
+        fastest: dict[tuple[frozenset[int], frozenset[int]], _Start] = {}
+        for found in sorted(searched):
+            fastest.setdefault((frozenset(found[2]), frozenset(found[3])), found)
+        return list(fastest.values())
 
     def _choices(self, plan: Plan) -> tuple[set[int], set[int]]:
         """The roles ``plan`` keeps (none of their tensors offloaded) and recomputes (any)."""

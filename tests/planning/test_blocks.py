@@ -97,6 +97,25 @@ def test_a_finer_search_refines_the_coarse_plan_and_never_predicts_it_slower(fra
     assert refined.predicted_overhead <= coarse.predicted_overhead + 1e-9
 
 
+def test_a_costly_plan_is_also_searched_from_scratch(monkeypatch, caplog):
+    """Over `WIDER_SEARCH_OVERHEAD` (here every plan is), the default planner also searches four
+    runs of layers from scratch and keeps the fastest of all."""
+    from lms.planning import auto
+
+    trace, _ = _trace()
+    spec = device_spec("cpu")
+    budget = int(simulate(trace, None, spec).peak_bytes * 0.5)
+    monkeypatch.setattr(auto, "WIDER_SEARCH_OVERHEAD", 0.0)
+    with caplog.at_level("INFO", logger="lms.planning"):
+        chosen = plan_auto(trace, spec, budget)
+    assert "from scratch too" in caplog.text
+    for depths in ((1, 4), 4):
+        assert (
+            chosen.predicted_overhead
+            <= plan_blocks(trace, spec, budget, depths=depths).predicted_overhead
+        )
+
+
 def test_depths_are_checked_before_planning():
     trace, _ = _trace()
     spec = device_spec("cpu")

@@ -175,7 +175,11 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _CUDNN_RNN and args[3] is None:
             args = (*args[:3], _weight_buffer(args[1]), *args[4:])
-        out = _cudnn_rnn_grads(*args, **kwargs) if func is _CUDNN_RNN_BACKWARD else None
+        out: Any = None
+        if func is _CUDNN_RNN_BACKWARD:
+            out = _cudnn_rnn_grads(*args, **kwargs)
+        elif func is _GROUPED_MM:
+            out = _grouped_mm_on_cpu(args, kwargs)
         if out is None:
             out = func(*args, **kwargs)
         taken = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
@@ -411,6 +415,40 @@ def _workspace(func: Any, args: Any, kwargs: Any, out: Any) -> tuple[torch.Tenso
     layers = 1 if "mkldnn" in str(func) else int(named.get("num_layers", 1))
     gates = _GATES.get(int(named.get("mode", 2)), 4)
     return out[position], _BYTES_PER_GATE * gates * out[0].numel() * layers
+
+
+_GROUPED_MM = torch.ops.aten._grouped_mm.default if hasattr(torch.ops.aten, "_grouped_mm") else None
+
+
+def _grouped_mm_on_cpu(args: Any, kwargs: Any) -> torch.Tensor | None:
+    """A grouped matrix product in single or double precision on the CPU, under fake tensors.
+
+    Note: [Grouped products the CPU takes in single precision]
+    Mixture-of-experts layers (Hugging Face's Qwen2-MoE, Mixtral, ...) multiply each expert's
+    tokens by its weights in one `torch._grouped_mm`. Its fake kernel follows the CUDA kernel's
+    checks and refuses anything but bfloat16 and float16, while the CPU kernel also takes float32
+    and float64: traced on the CPU, such a model's float32 step would fail where it runs. For those
+    calls alone the output is made as the fake kernel makes it (the same shape rules, through
+    PyTorch's own helper), in the dtype asked for; None for any other call, or where this PyTorch
+    lacks the helper, which the fake kernel then gets."""
+    if len(args) < 2:
+        return None
+    mat_a, mat_b = args[0], args[1]
+    if not (isinstance(mat_a, FakeTensor) and isinstance(mat_b, FakeTensor)):
+        return None
+    if mat_a.device.type != "cpu" or mat_a.dtype not in (torch.float32, torch.float64):
+        return None
+    try:
+        from torch._meta_registrations import _create_grouped_mm_output_tensor
+    except ImportError:
+        return None
+    named = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), args, strict=False))
+    named |= kwargs
+    offs, out_dtype = named.get("offs"), named.get("out_dtype") or mat_a.dtype
+    if offs is None and (mat_a.dim() == 2 or mat_b.dim() == 2):
+        return None
+    made: torch.Tensor = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
+    return made
 
 
 _CUDNN_RNN = torch.ops.aten._cudnn_rnn.default

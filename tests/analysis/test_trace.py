@@ -1,5 +1,6 @@
 """The fake-tensor trace: peaks against torch's MemTracker, events against the runtime."""
 
+import contextlib
 import dataclasses
 import itertools
 
@@ -410,3 +411,66 @@ def test_a_saved_tensor_that_needs_no_gradient_is_not_held_by_the_save():
     assert indices in {storage for storage, _, _ in trace.entries()}  # saved, and may move
     assert indices not in trace.held_by_code
     assert trace.storages[indices].last_forward_op == pool.index
+
+
+def test_a_mixture_of_experts_in_single_precision_is_traced_as_it_runs_on_the_cpu(spill_dir):
+    """Note [Grouped products the CPU takes in single precision]: a float32 Qwen2-MoE traces on
+    the CPU, its grouped products as large as the real ones, and follows its plan bitwise."""
+    transformers = pytest.importorskip("transformers")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    config = transformers.Qwen2MoeConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2MoeForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step(m, batch):
+        loss = m(input_ids=batch[0], labels=batch[0]).loss
+        loss.backward()
+        return loss
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.nbytes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._grouped_mm.default:
+                self.nbytes.append(out.numel() * out.element_size())
+            return out
+
+    with Sizes() as real:
+        step(model, [ids])
+    if not real.nbytes:
+        pytest.skip("this transformers does not call torch._grouped_mm on the CPU")
+    model.zero_grad(set_to_none=True)
+    trace = trace_step(model, [ids], step, device="cpu", min_offload_bytes=0)
+    grouped = [op for op in trace.ops if op.name == "aten._grouped_mm.default"]
+    assert len(grouped) == len(real.nbytes)
+    assert {op.phase for op in grouped} == {"forward", "backward"}
+    for op, nbytes in zip(grouped, real.nbytes, strict=True):
+        assert op.written_bytes >= nbytes  # the fake kernel pads rows as the CUDA one does
+    n = len(trace.entries())
+    plan = lms.Plan(fingerprint=trace.fingerprint(), offload=tuple(range(n)), num_entries=n)
+    offload = lms.LMS(plan=plan, tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+
+    def run(ctx):
+        model.zero_grad(set_to_none=True)
+        with ctx:
+            loss = step(model, [ids])
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    assert_bitwise(run(contextlib.nullcontext()), run(offload))
+    assert offload.stats.offloaded_tensors > 0

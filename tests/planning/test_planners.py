@@ -171,6 +171,27 @@ def test_restarts_keep_each_kind_of_storage_the_plan_moves():
     assert _kinds(trace, moved[:1]) == []
 
 
+@pytest.mark.parametrize(("above", "searches"), [(-1.0, "several"), (1e9, "one")])
+def test_restarts_run_only_for_a_plan_costlier_than_the_simulator_s_error(
+    monkeypatch, above, searches
+):
+    """`RESTART_ABOVE`: a plan predicted within it of the step without offload stands as the
+    first search found it; over it, the search restarts."""
+    from lms.planning.greedy import restarts
+    from lms.planning.greedy.search import Search
+
+    trace = trace_of(Chain)
+    spec = device_spec("cpu")
+    budget = int(simulate(trace, None, spec).peak_bytes * 0.9)
+    calls = []
+    best = Search.best
+    monkeypatch.setattr(Search, "best", lambda self: calls.append(1) or best(self))
+    monkeypatch.setattr(restarts, "RESTART_ABOVE", above)
+    plan = plan_greedy(trace, spec, budget)
+    assert simulate(trace, plan, spec).peak_bytes <= budget
+    assert (len(calls) > 1) == (searches == "several"), calls
+
+
 def test_infeasible_budget_names_the_op_and_the_minimum():
     trace = trace_of(Chain)
     spec = small_spec()

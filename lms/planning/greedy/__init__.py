@@ -68,7 +68,7 @@ def plan_greedy(
     found = search.best()
     if found is None:
         return candidates.finish(minimum_plan, minimum)
-    _, plan = restart(search, *found)
+    _, plan = restart(search, *found, plain.step_s)
     entries = trace.entries()
     kept = set(range(len(entries))) - set(plan.offload) - set(plan.recompute)
     result = candidates.run(plan)

@@ -9,7 +9,7 @@ from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.planning.greedy.search import Search
 
-__all__ = ["kinds", "restart"]
+__all__ = ["RESTART_ABOVE", "kinds", "restart"]
 
 _RESTARTS = 4
 """Storages of the plan found that the search is run again keeping, one at a time."""
@@ -30,6 +30,14 @@ def kinds(trace: Trace, moved: Sequence[int]) -> list[set[int]]:
     return sorted(found, key=lambda group: -sum(entries[i][1] for i in group))
 
 
+RESTART_ABOVE = 0.05
+"""Predicted overhead over the step without offload above which the search restarts: below it,
+what a restart could win is within the simulator's own error on a measured step (step records
+replay within 5.4%: benchmarks/results/README.md, "Step records on the CPU"), and each restart
+costs as many simulations as the search did (a small T5 on the CPU: eight restarts, 17,000
+simulations and 35 s, each landing on the plan it started from)."""
+
+
 # Note: [Restarts from the plan found]
 # The search is greedy: one storage it chose to move can steer every later choice, and a plan that
 # keeps it may be much faster. A choice made for one storage is made alike for the others of its
@@ -39,9 +47,12 @@ def kinds(trace: Trace, moved: Sequence[int]) -> list[set[int]]:
 # of them (those made by the same operation's same output), the next two storages, the other kinds,
 # and all it moves; the fastest plan of all stands. Cases where restarts paid:
 # benchmarks/results/README.md, "Restarts from the plan found".
-def restart(search: Search, step_s: float, plan: Plan) -> tuple[float, Plan]:
+def restart(search: Search, step_s: float, plan: Plan, plain_s: float) -> tuple[float, Plan]:
     """The fastest of ``plan`` and the plans found searching again keeping some of what it
-    moves (Note [Restarts from the plan found]), with its step time."""
+    moves (Note [Restarts from the plan found]), with its step time; ``plan`` alone where it is
+    predicted within `RESTART_ABOVE` of the step without offload (``plain_s``)."""
+    if step_s <= plain_s * (1 + RESTART_ABOVE):
+        return step_s, plan
     candidates = search.candidates
     entries = search.entries
     pinned = candidates.pinned

@@ -52,25 +52,92 @@ def default_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch
 
 
 def _refuse_sharded(model: torch.nn.Module, name: str) -> None:
-    """Refuse a model whose parameters are sharded across processes: fake tensors stand in for
-    the local shards, not for the collectives that gather them.
+    """Refuse a model whose parameters are sharded across processes by anything but FSDP2:
+    fake tensors stand in for the local shards, not for the collectives that gather them
+    (Note [FSDP2's layers traced whole]).
 
     Raises:
-        UnplannableStepError: naming the first sharded parameter.
+        UnplannableStepError: naming the first such parameter.
     """
     if not torch.distributed.is_available():
         return
     from torch.distributed.tensor import DTensor
 
+    sharded = {id(t) for t in _fsdp_parameters(model)}
     for where, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if isinstance(tensor, DTensor):
+        if isinstance(tensor, DTensor) and id(tensor) not in sharded:
             raise UnplannableStepError(
                 f"lms: {name}'s {where} is a {type(tensor).__name__} sharded across "
-                "processes (FSDP's fully_shard, tensor parallel), which a trace under fake "
-                "tensors cannot stand in for; run lms.LMS(budget=...) without tune (with "
-                "Lightning, LMSCallback(tune=False)): its runtime keeps the newest saved "
-                "tensors within the budget in each process"
+                "processes (tensor parallel), which a trace under fake tensors cannot stand in "
+                "for; run lms.LMS(budget=...) without tune (with Lightning, "
+                "LMSCallback(tune=False)): its runtime keeps the newest saved tensors within "
+                "the budget in each process"
             )
+
+
+def _fsdp_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters FSDP2 (`fully_shard`) manages in ``model``, sharded between steps."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    found: list[torch.Tensor] = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)  # one group before 2.12
+            if groups is None:
+                group = getattr(state, "_fsdp_param_group", None)
+                groups = [group] if group is not None else []
+            for group in groups:
+                found.extend(fsdp_param.sharded_param for fsdp_param in group.fsdp_params)
+    return found
+
+
+# Note: [FSDP2's layers traced whole]
+# Under `fully_shard` each layer's parameters are DTensors holding this process's shard; FSDP's
+# hooks gather them before the layer runs and free them after, with collectives that fake tensors
+# cannot run. The trace lifts those hooks for the step it records and stands a whole fake
+# parameter, of the DTensor's global shape, in for each shard: the step it sees is the model's
+# step on one process, what each process runs between its gathers. The activations it saves, and
+# so the plan's entries, are those each process saves; its parameters and their gradients are
+# counted whole for the whole step, more than FSDP holds at once (its shards, and one or two
+# layers gathered), so a plan made from it keeps each process within its budget with room to
+# spare. Counting only the shards and each layer's gather is not done. Tensor parallelism, whose
+# DTensors flow through forward itself, is still refused.
+@contextlib.contextmanager
+def _fsdp_hooks_lifted(model: torch.nn.Module) -> Iterator[None]:
+    """FSDP2's forward hooks off ``model``'s modules while the block runs; back, in place, after."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        yield
+        return
+    lifted: list[tuple[torch.nn.Module, str, dict[int, Any]]] = []
+    tables = ("_forward_pre_hooks", "_forward_hooks")
+    try:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                for table in tables:
+                    hooks = getattr(module, table)
+                    lifted.append((module, table, dict(hooks)))
+                    for key in [k for k, hook in hooks.items() if _is_fsdp_hook(hook)]:
+                        del hooks[key]
+        yield
+    finally:
+        for module, table, hooks in lifted:
+            current = getattr(module, table)
+            current.clear()
+            current.update(hooks)
+
+
+def _is_fsdp_hook(hook: Any) -> bool:
+    """Whether ``hook`` is one FSDP2 registered (its state's method, or the wrapper it makes for
+    modules grouped under one state)."""
+    owner = getattr(hook, "__self__", None)
+    module = getattr(type(owner), "__module__", "") if owner is not None else ""
+    module = module or getattr(hook, "__module__", "") or ""
+    return module.startswith("torch.distributed.fsdp._fully_shard")
 
 
 def _refuse_lazy(model: torch.nn.Module) -> None:
@@ -160,6 +227,8 @@ def _fake_like(
 ) -> torch.Tensor:
     """A fake tensor of ``value``'s shape, strides and dtype on ``device``: a view of the fake
     copy of its storage where the model's tensors share it."""
+    if not is_plain(value) and type(value).__name__ == "DTensor":  # FSDP2's shard: whole
+        return torch.empty(value.shape, dtype=value.dtype, device=device)
     key = _storage_key(value)
     nbytes = value.untyped_storage().nbytes()
     if key not in shared or nbytes % value.element_size():
@@ -272,7 +341,13 @@ def trace_step(
     built, real = _build(model, fake_mode, target)
     _refuse_sharded(built, name)
     fake_state = _fake_state(built, target) if real else _noop()
-    with _old_objects_frozen(), fake_mode, torch.device(target), fake_state:
+    with (
+        _old_objects_frozen(),
+        _fsdp_hooks_lifted(built),
+        fake_mode,
+        torch.device(target),
+        fake_state,
+    ):
         leaves, structure = tree_flatten(batch() if callable(batch) else batch)
         leaves = [
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)

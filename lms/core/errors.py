@@ -74,8 +74,9 @@ class UnplannableStepError(LMSError):
     """The traced step is not one forward and backward: it runs forward again after its
     backward finished (gradient accumulation over micro-batches, or a GAN's two models, in one
     step), where a plan names saved tensors by their order in one forward and backward; or it
-    saves tensors and runs no backward at all; or the model's parameters are sharded across
-    processes (DTensors: FSDP's fully_shard, tensor parallel), which fake tensors cannot trace."""
+    saves tensors and runs no backward at all; or the model's parameters are split across
+    processes by tensor parallelism (DTensors that flow through forward), which fake tensors
+    cannot trace. FSDP2's (`fully_shard`) are traced whole (Note [FSDP2's layers traced whole])."""
 
 
 def step_failed(error: BaseException, what: str) -> StepFailedError:

@@ -4,6 +4,7 @@ DistributedDataParallel, an FSDP2 (fully_shard) or a tensor-parallel step (gloo)
 import gc
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -14,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lms
+import lms.analysis
 from tests.conftest import same_bits
 
 WORLD = 2
@@ -57,6 +59,27 @@ def _feedforward_batch():
     return [torch.randn(8, 16, 64, generator=torch.Generator().manual_seed(0))]
 
 
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=128,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _lm_step(model, batch):
+    loss = model(input_ids=batch[0], labels=batch[0]).loss
+    loss.backward()
+    return loss
+
+
 def _regression_step(model, batch):
     loss = model(batch[0]).square().mean()
     loss.backward()
@@ -93,6 +116,10 @@ def _train(rank, folder, offloaded, kind):
         for block in model:
             parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
         batch, step = _feedforward_batch(), _regression_step
+    elif kind == "llama":  # a tiny Llama, each rank its own sequences
+        model = _llama()
+        generator = torch.Generator().manual_seed(rank)
+        batch, step = [torch.randint(0, 64, (4, 128), generator=generator)], _lm_step
     else:
         model = _model()  # seeds the labels drawn next
         generator = torch.Generator().manual_seed(rank)  # each rank its own shard
@@ -103,6 +130,11 @@ def _train(rank, folder, offloaded, kind):
         for layer in [*(block.conv for block in model[:4]), model[-1]]:
             fully_shard(layer, mesh=mesh)  # called with its parameters sharded (DTensors)
         parallel = fully_shard(model, mesh=mesh)
+    elif kind == "llama":  # FSDP2 as its tutorials shard a Llama: each decoder layer, the root
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        parallel = fully_shard(model, mesh=mesh)
     elif kind == "ddp":
         parallel = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(parallel.parameters(), lr=0.1)
@@ -112,12 +144,19 @@ def _train(rank, folder, offloaded, kind):
         spill = os.path.join(folder, f"spill{rank}")
         os.mkdir(spill)
         settings = {"swapout_threshold": 1} if kind == "tp" else {"budget": "2MiB"}
+        if kind == "llama":  # 80% of what the step's tensors take at once, as simulated
+            trace = lms.analysis.trace_step(model, batch, step, device="cpu")
+            plain = lms.analysis.simulate(trace, None, lms.analysis.device_spec("cpu"))
+            settings = {"budget": int(plain.peak_bytes * 0.8)}
+            report["budget"] = settings["budget"]
         offload = lms.LMS(min_offload_bytes=0, spill_dir=spill, **settings)
-        if kind != "tp":
-            try:
+        try:
+            if kind == "tp":  # DTensors flow through forward: refused before any work
+                lms.analysis.trace_step(model, batch, step, device="cpu")
+            else:
                 offload.tune(model, batch, step, cache_dir=os.path.join(folder, f"plans{rank}"))
-            except lms.UnplannableStepError as error:
-                report["refused"] = str(error)
+        except lms.UnplannableStepError as error:
+            report["refused"] = str(error)
     for _ in range(2):
         optimizer.zero_grad()
         with (
@@ -155,14 +194,37 @@ def test_data_parallel_steps_are_bitwise_and_follow_each_plan(tmp_path):
             assert same_bits(a, b)
 
 
-def test_sharded_steps_are_bitwise_within_the_budget_and_tuning_is_refused(tmp_path):
+def test_sharded_steps_follow_their_tuned_plan_bitwise_within_the_budget(tmp_path):
+    """Note [FSDP2's layers traced whole]: each process tunes its FSDP2 model (its hooks lifted
+    while traced, and back after) and its steps follow the plan, bitwise those of plain FSDP2."""
     plain = _fit(str(tmp_path / "plain"), offloaded=False, kind="fsdp")
     ranks = _fit(str(tmp_path / "lms"), offloaded=True, kind="fsdp")
     for rank, report in enumerate(ranks):
-        assert "fully_shard" in report["refused"] and report["plan"] is None
-        stats = report["stats"]
-        assert stats.offloaded_tensors > 0 and stats.peak_resident_saved_bytes <= 2 * 2**20
+        plan, stats = report["plan"], report["stats"]
+        assert "refused" not in report, report.get("refused")
+        assert plan is not None and plan.offload, "the budget is meant to make the plan move"
+        assert stats.offloaded_tensors == 2 * len(plan.offload), rank  # followed, not diverged
+        assert stats.peak_resident_saved_bytes <= 2 * 2**20
         assert stats.kept_tensors > 0  # the gathered weights stay where FSDP put them
+        assert report["spill_files"] == []
+        for a, b in zip(plain[rank]["params"], report["params"], strict=True):
+            assert same_bits(a, b)
+
+
+def test_a_sharded_llama_follows_its_tuned_plan_bitwise(tmp_path):
+    """FSDP2 over each decoder layer and the root of a tiny Llama (GQA, rotary embeddings,
+    SDPA): tuned on each rank, bitwise those of plain FSDP2."""
+    pytest.importorskip("transformers")
+    plain = _fit(str(tmp_path / "plain"), offloaded=False, kind="llama")
+    ranks = _fit(str(tmp_path / "lms"), offloaded=True, kind="llama")
+    for rank, report in enumerate(ranks):
+        plan, stats = report["plan"], report["stats"]
+        assert "refused" not in report, report.get("refused")
+        assert plan is not None and (plan.offload or plan.recompute)
+        assert stats.offloaded_tensors == 2 * len(plan.offload), rank
+        assert stats.recomputed_tensors == 2 * len(plan.recompute), rank
+        assert plan.predicted_peak_bytes <= report["budget"]
+        assert stats.peak_resident_saved_bytes <= report["budget"]
         assert report["spill_files"] == []
         for a, b in zip(plain[rank]["params"], report["params"], strict=True):
             assert same_bits(a, b)
@@ -185,6 +247,7 @@ def test_tensor_parallel_steps_move_the_dtensors_saved_bitwise(tmp_path):
     plain = _fit(str(tmp_path / "plain"), offloaded=False, kind="tp")
     ranks = _fit(str(tmp_path / "lms"), offloaded=True, kind="tp")
     for rank, report in enumerate(ranks):
+        assert "tensor parallel" in report["refused"], rank
         assert report["stats"].offloaded_tensors == moved, rank
         assert report["spill_files"] == []
         for a, b in zip(plain[rank]["params"], report["params"], strict=True):

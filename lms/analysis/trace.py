@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import (
 from torch.nn.parameter import is_lazy
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lms.analysis import fsdp
 from lms.analysis.recorder import Recorder
 from lms.core.config import AUTO_MIN_OFFLOAD_BYTES
 from lms.core.errors import LMSError, StepStateError, UnplannableStepError, step_failed
@@ -63,7 +64,7 @@ def _refuse_sharded(model: torch.nn.Module, name: str) -> None:
         return
     from torch.distributed.tensor import DTensor
 
-    sharded = {id(t) for t in _fsdp_parameters(model)}
+    sharded = {id(t) for t in fsdp.sharded_parameters(model)}
     for where, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if isinstance(tensor, DTensor) and id(tensor) not in sharded:
             raise UnplannableStepError(
@@ -73,71 +74,6 @@ def _refuse_sharded(model: torch.nn.Module, name: str) -> None:
                 "LMSCallback(tune=False)): its runtime keeps the newest saved tensors within "
                 "the budget in each process"
             )
-
-
-def _fsdp_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The parameters FSDP2 (`fully_shard`) manages in ``model``, sharded between steps."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return []
-    found: list[torch.Tensor] = []
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)  # one group before 2.12
-            if groups is None:
-                group = getattr(state, "_fsdp_param_group", None)
-                groups = [group] if group is not None else []
-            for group in groups:
-                found.extend(fsdp_param.sharded_param for fsdp_param in group.fsdp_params)
-    return found
-
-
-# Note: [FSDP2's layers traced whole]
-# Under `fully_shard` each layer's parameters are DTensors holding this process's shard; FSDP's
-# hooks gather them before the layer runs and free them after, with collectives that fake tensors
-# cannot run. The trace lifts those hooks for the step it records and stands a whole fake
-# parameter, of the DTensor's global shape, in for each shard: the step it sees is the model's
-# step on one process, what each process runs between its gathers. The activations it saves, and
-# so the plan's entries, are those each process saves; its parameters and their gradients are
-# counted whole for the whole step, more than FSDP holds at once (its shards, and one or two
-# layers gathered), so a plan made from it keeps each process within its budget with room to
-# spare. Counting only the shards and each layer's gather is not done. Tensor parallelism, whose
-# DTensors flow through forward itself, is still refused.
-@contextlib.contextmanager
-def _fsdp_hooks_lifted(model: torch.nn.Module) -> Iterator[None]:
-    """FSDP2's forward hooks off ``model``'s modules while the block runs; back, in place, after."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        yield
-        return
-    lifted: list[tuple[torch.nn.Module, str, dict[int, Any]]] = []
-    tables = ("_forward_pre_hooks", "_forward_hooks")
-    try:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                for table in tables:
-                    hooks = getattr(module, table)
-                    lifted.append((module, table, dict(hooks)))
-                    for key in [k for k, hook in hooks.items() if _is_fsdp_hook(hook)]:
-                        del hooks[key]
-        yield
-    finally:
-        for module, table, hooks in lifted:
-            current = getattr(module, table)
-            current.clear()
-            current.update(hooks)
-
-
-def _is_fsdp_hook(hook: Any) -> bool:
-    """Whether ``hook`` is one FSDP2 registered (its state's method, or the wrapper it makes for
-    modules grouped under one state)."""
-    owner = getattr(hook, "__self__", None)
-    module = getattr(type(owner), "__module__", "") if owner is not None else ""
-    module = module or getattr(hook, "__module__", "") or ""
-    return module.startswith("torch.distributed.fsdp._fully_shard")
 
 
 def _refuse_lazy(model: torch.nn.Module) -> None:
@@ -340,10 +276,11 @@ def trace_step(
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     built, real = _build(model, fake_mode, target)
     _refuse_sharded(built, name)
+    sharded = fsdp.units(built)
     fake_state = _fake_state(built, target) if real else _noop()
     with (
         _old_objects_frozen(),
-        _fsdp_hooks_lifted(built),
+        fsdp.hooks_lifted(built),
         fake_mode,
         torch.device(target),
         fake_state,
@@ -365,6 +302,7 @@ def trace_step(
         amp = torch.autocast(target.type, dtype=autocast) if autocast is not None else _noop()
         hooks = torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack)
         recorder.name_modules(built)
+        root = type(built).__name__
         pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.enter_module)
         post = torch.nn.modules.module.register_module_forward_hook(
             recorder.exit_module, always_call=True
@@ -394,6 +332,7 @@ def trace_step(
         del result
         grads = [p.grad for p in built.parameters() if p.grad is not None]
         gradient_ids = {recorder.storage_id(g)[0] for g in grads}
+        fsdp.resolve(sharded, recorder.storage_id)
         states = [v for s in (opt.state.values() if opt else ()) for v in s.values()]
         state_ids = {recorder.storage_id(v)[0] for v in states if isinstance(v, torch.Tensor)}
         del opt, grads, states, inputs, leaves, tensors
@@ -402,7 +341,10 @@ def trace_step(
     backward_start = next(
         (op.index for op in recorder.ops if op.phase == "backward"), len(recorder.ops)
     )
-    storages = recorder.storage_records(gradient_ids, state_ids)
+    storages = fsdp.account(
+        recorder.storage_records(gradient_ids, state_ids), tuple(recorder.ops), sharded, root
+    )
+    param_bytes -= sum(whole - shard for unit in sharded for _, _, shard, whole in unit.params)
     trace = Trace(
         name=name,
         input_shapes=input_shapes,

@@ -149,6 +149,16 @@ def _train(rank, folder, offloaded, kind):
             plain = lms.analysis.simulate(trace, None, lms.analysis.device_spec("cpu"))
             settings = {"budget": int(plain.peak_bytes * 0.8)}
             report["budget"] = settings["budget"]
+            report["traced_param_bytes"] = trace.param_bytes
+            report["shard_bytes"] = sum(
+                p.to_local().numel() * p.element_size() for p in model.parameters()
+            )
+            report["gathers"] = [
+                (s.alloc_op, s.free_op, s.nbytes)
+                for s in trace.storages
+                if s.kind == "param" and s.alloc_op >= 0
+            ]
+            report["phases"] = [op.phase for op in trace.ops]
         offload = lms.LMS(min_offload_bytes=0, spill_dir=spill, **settings)
         try:
             if kind == "tp":  # DTensors flow through forward: refused before any work
@@ -225,6 +235,14 @@ def test_a_sharded_llama_follows_its_tuned_plan_bitwise(tmp_path):
         assert stats.recomputed_tensors == 2 * len(plan.recompute), rank
         assert plan.predicted_peak_bytes <= report["budget"]
         assert stats.peak_resident_saved_bytes <= report["budget"]
+        # Note [FSDP2's layers traced whole]: each process's shards all step, and each decoder
+        # layer's gathered rest in its forward and again in its backward; the root's from
+        # forward into backward
+        assert report["traced_param_bytes"] == report["shard_bytes"]
+        phases = report["phases"]
+        spans = {(phases[begin], phases[end]) for begin, end, _ in report["gathers"]}
+        assert len(report["gathers"]) >= 2 * 2 + 1, report["gathers"]
+        assert {("forward", "forward"), ("backward", "backward"), ("forward", "backward")} <= spans
         assert report["spill_files"] == []
         for a, b in zip(plain[rank]["params"], report["params"], strict=True):
             assert same_bits(a, b)

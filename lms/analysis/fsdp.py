@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from lms.core.errors import UnplannableStepError
 from lms.core.records import OpRecord, StorageRecord
 
 __all__ = ["Unit", "account", "hooks_lifted", "resolve", "sharded_parameters", "units"]
@@ -30,7 +31,9 @@ log = logging.getLogger("lms.analysis")
 # reduce-scatters into shards when the layer's backward ends. The root's parameters stay gathered
 # from forward into backward, as FSDP keeps them. Not counted: FSDP prefetching the next layer's
 # gather while one runs (on a GPU, one layer more at once), and its communication buffers.
-# Tensor parallelism, whose DTensors flow through forward itself, is still refused.
+# Refused before any work: a `MixedPrecisionPolicy` that gathers the parameters in another dtype
+# (the step it runs computes in that dtype, not the stored one the trace would see), and tensor
+# parallelism, whose DTensors flow through forward itself.
 
 
 @dataclasses.dataclass
@@ -79,7 +82,12 @@ def sharded_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
 def units(model: torch.nn.Module) -> list[Unit]:
     """The modules of ``model`` that FSDP2 shards, outermost first; none where it shards none
     or where this PyTorch's FSDP keeps its state where this cannot read it (the parameters are
-    then counted whole, more than FSDP holds)."""
+    then counted whole, more than FSDP holds).
+
+    Raises:
+        UnplannableStepError: FSDP gathers the parameters in another dtype (a
+            `MixedPrecisionPolicy` with ``param_dtype``): the step it runs is not the traced one.
+    """
     fsdp = _fsdp_module()
     if fsdp is None:
         return []
@@ -90,7 +98,18 @@ def units(model: torch.nn.Module) -> list[Unit]:
                 continue
             params = []
             for group in _groups(module):
+                cast = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
                 for fsdp_param in group.fsdp_params:
+                    stored = fsdp_param.sharded_param.dtype
+                    if cast is not None and cast != stored and stored.is_floating_point:
+                        raise UnplannableStepError(
+                            f"lms: {name or 'the model'} is sharded by FSDP2 with a "
+                            f"MixedPrecisionPolicy that gathers its {stored} parameters as "
+                            f"{cast}, which a trace of the stored parameters would not see; "
+                            "tune the model without that policy's param_dtype (its "
+                            "activations under torch.autocast are traced alike), or run "
+                            "lms.LMS(budget=...) without tune"
+                        )
                     info = fsdp_param._module_info
                     shard = fsdp_param.sharded_param
                     local = shard.to_local() if hasattr(shard, "to_local") else shard

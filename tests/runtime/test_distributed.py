@@ -3,6 +3,8 @@ DistributedDataParallel, an FSDP2 (fully_shard) or a tensor-parallel step (gloo)
 
 import gc
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -270,3 +272,35 @@ def test_tensor_parallel_steps_move_the_dtensors_saved_bitwise(tmp_path):
         assert report["spill_files"] == []
         for a, b in zip(plain[rank]["params"], report["params"], strict=True):
             assert same_bits(a, b)
+
+
+MIXED = """
+import os, sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import lms
+from lms.analysis import trace_step
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+try:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    try:
+        trace_step(model, [torch.randn(4, 8)], device="cpu")
+    except lms.UnplannableStepError as error:
+        print(error)
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_a_policy_that_gathers_in_another_dtype_is_refused_before_tracing(tmp_path):
+    """FSDP2's MixedPrecisionPolicy(param_dtype=...) runs a step the trace of the stored
+    parameters would not see: tune says so, naming the fix."""
+    out = subprocess.run(
+        [sys.executable, "-c", MIXED, str(tmp_path / "rendezvous")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    ).stdout
+    assert "MixedPrecisionPolicy" in out and "torch.bfloat16" in out, out

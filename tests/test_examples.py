@@ -17,15 +17,16 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
         ("plan_for_another_gpu.py", "Predicted peak with LMS"),
         ("lightning_fit.py", "batches under LMS"),
         ("huggingface_trainer.py", "micro-batches"),
+        ("fsdp_llama.py", "offloaded over 3 steps"),
     ],
 )
-def test_example_runs(script, says, tmp_path, monkeypatch, capsys):
+def test_example_runs(script, says, tmp_path, monkeypatch, capfd):
     """As ``python examples/SCRIPT`` runs it: as ``__main__``, from another folder."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", [str(EXAMPLES / script)])
     monkeypatch.setattr(sys, "path", [str(EXAMPLES), *sys.path])
     runpy.run_path(str(EXAMPLES / script), run_name="__main__")
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out  # the spawned processes too
     assert says in out, out[-3000:]
 
 
@@ -36,5 +37,6 @@ def test_every_example_is_run():
         "plan_for_another_gpu.py",
         "lightning_fit.py",
         "huggingface_trainer.py",
+        "fsdp_llama.py",
     }
     assert {path.name for path in EXAMPLES.glob("*.py")} == tested

@@ -159,6 +159,18 @@ def test_the_timing_process_chooses_kernels_as_the_step_does(deterministic):
     assert set(results) == {0} and (results[0] is None) == deterministic
 
 
+def test_calls_that_name_a_memory_format_are_timed():
+    """Note [Memory formats go by name]: the timing process gets each format by its name."""
+    assert timing._sendable(torch.channels_last) == timing._MemoryFormat("channels_last")
+    x = TensorMeta((8, 8), (8, 1), torch.float32, "cpu")
+    calls = [
+        ("aten.clone.default", (x,), {"memory_format": torch.contiguous_format}),
+        ("aten.clone.default", (x,), {"memory_format": torch.preserve_format}),
+    ]
+    results = timing._time_in_child(calls, CPU, limit_s=30.0)
+    assert set(results) == {0, 1} and None not in results.values(), results
+
+
 def test_the_simulator_takes_the_times_for_the_trace_timed_alone():
     trace = _trace(_net())
     other = _trace(_net(), batch=16)

@@ -4,6 +4,7 @@ are timed in a process of their own])."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import os
@@ -118,6 +119,30 @@ def time_ops(
     return timings
 
 
+@dataclasses.dataclass(frozen=True)
+class _MemoryFormat:
+    """A `torch.memory_format` as the timing process receives it, by name.
+
+    Note: [Memory formats go by name]
+    A memory format pickles as a global named ``torch.contiguous_format``, which pickle finds by
+    searching the loaded modules for one that holds ``torch``, and the timing process must find
+    it again by that module. Once, tuning in a process `torch.multiprocessing.spawn` started, the
+    timing process could not (``Can't get attribute 'torch.contiguous_format' on <module
+    '__main__'>``), and each call that names a format (a ``clone`` with ``memory_format=``) ended
+    it; that run did not repeat. By name, nothing is searched.
+    """
+
+    name: str
+
+
+def _sendable(value: Any) -> Any:
+    """``value`` as a job sends it: a memory format by its name (Note [Memory formats go by
+    name]), anything else as it is."""
+    if isinstance(value, torch.memory_format):
+        return _MemoryFormat(str(value).removeprefix("torch."))
+    return value
+
+
 def _time_in_child(
     jobs: list[Job], device: torch.device, limit_s: float
 ) -> dict[int, float | None]:
@@ -134,7 +159,7 @@ def _time_in_child(
     sendable: list[bytes | None] = []
     for job in jobs:
         try:
-            sendable.append(pickle.dumps(job))
+            sendable.append(pickle.dumps(tree_map(_sendable, job)))
         except Exception:  # an argument that cannot be sent (an object of the user's)
             sendable.append(None)
     results: dict[int, float | None] = {}
@@ -292,7 +317,13 @@ def _time_call(
         namespace, packet, overload = name.split(".")
         op = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
         args, kwargs = tree_map(
-            lambda value: _made_up(value, device) if isinstance(value, TensorMeta) else value,
+            lambda value: (
+                _made_up(value, device)
+                if isinstance(value, TensorMeta)
+                else getattr(torch, value.name)
+                if isinstance(value, _MemoryFormat)
+                else value
+            ),
             (args, kwargs),
         )
         op(*args, **kwargs)  # warm-up

@@ -49,9 +49,9 @@ def _half_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
 def _case(name: str, build: Any, ids: torch.Tensor, step: Any, fraction: float, half: bool):
     spec = device_spec("h100")
     traced, planned = [], []
+    autocast = torch.bfloat16 if half else None
     for _ in range(REPEATS):
         start = time.perf_counter()
-        autocast = torch.bfloat16 if half else None
         trace = trace_step(build, [ids], step, device="cpu", autocast=autocast)
         traced.append(time.perf_counter() - start)
         plain = simulate(trace, None, spec, half=half)

@@ -14,7 +14,7 @@ import torch
 from lms.core.errors import UnplannableStepError
 from lms.core.records import OpRecord, StorageRecord
 
-__all__ = ["Unit", "account", "hooks_lifted", "resolve", "sharded_parameters", "units"]
+__all__ = ["Unit", "account", "hooks_lifted", "resolve", "units"]
 
 log = logging.getLogger("lms.analysis")
 
@@ -58,31 +58,17 @@ def _fsdp_module() -> type | None:
 
 def _groups(module: Any) -> list[Any]:
     state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)  # one group before PyTorch 2.12
+    groups = getattr(state, "_fsdp_param_groups", None)  # older releases keep one group
     if groups is None:
         group = getattr(state, "_fsdp_param_group", None)
         groups = [group] if group is not None else []
     return list(groups)
 
 
-def sharded_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The parameters FSDP2 manages in ``model``, sharded between steps."""
-    fsdp = _fsdp_module()
-    if fsdp is None:
-        return []
-    return [
-        fsdp_param.sharded_param
-        for module in model.modules()
-        if isinstance(module, fsdp)
-        for group in _groups(module)
-        for fsdp_param in group.fsdp_params
-    ]
-
-
 def units(model: torch.nn.Module) -> list[Unit]:
     """The modules of ``model`` that FSDP2 shards, outermost first; none where it shards none
-    or where this PyTorch's FSDP keeps its state where this cannot read it (the parameters are
-    then counted whole, more than FSDP holds).
+    or where this PyTorch's FSDP keeps its state where this cannot read it (the trace then
+    refuses its DTensors as any other's).
 
     Raises:
         UnplannableStepError: FSDP gathers the parameters in another dtype (a
@@ -119,7 +105,7 @@ def units(model: torch.nn.Module) -> list[Unit]:
                     )
             found.append(Unit(name, params))
     except AttributeError as error:
-        log.info("[LMS] FSDP2's parameters are counted whole: its state has no %s", error)
+        log.info("[LMS] FSDP2's state could not be read (no %s): tune refuses its model", error)
         return []
     return found
 
@@ -145,25 +131,15 @@ def account(
     if not found:
         return storages
     counted = list(storages)
-    owner: dict[int, str] = {}
-    for unit in found:  # outermost first: a parameter belongs to its innermost unit
-        for (_, _, shard, _), (param, grad) in zip(unit.params, unit.storages, strict=True):
+    last = len(ops) - 1
+    for unit in found:  # FSDP2 manages each parameter in one unit alone
+        rest = grads = 0
+        for (_, _, shard, whole), (param, grad) in zip(unit.params, unit.storages, strict=True):
             counted[param] = dataclasses.replace(counted[param], nbytes=shard)
+            rest += whole - shard
             if grad is not None:
                 counted[grad] = dataclasses.replace(counted[grad], nbytes=shard)
-            owner[param] = unit.name
-    last = len(ops) - 1
-    for unit in found:
-        rest = sum(
-            whole - shard
-            for (_, _, shard, whole), (param, _) in zip(unit.params, unit.storages, strict=True)
-            if owner[param] == unit.name
-        )
-        grads = sum(
-            whole - shard
-            for (_, _, shard, whole), (param, grad) in zip(unit.params, unit.storages, strict=True)
-            if owner[param] == unit.name and grad is not None
-        )
+                grads += whole - shard
         prefix = f"{root}.{unit.name}" if unit.name else root
         forward = _span(ops, prefix, "forward")
         backward = _span(ops, prefix, "backward")
@@ -171,11 +147,11 @@ def account(
             end = backward[1] if backward is not None else last
             spans = [(forward[0], end, rest)]
             if backward is not None:
-                spans.append((backward[0], backward[1], grads))
+                spans.append((*backward, grads))
         else:
-            spans = [(span[0], span[1], rest) for span in (forward,) if span is not None]
+            spans = [] if forward is None else [(*forward, rest)]
             if backward is not None:
-                spans.append((backward[0], backward[1], rest + grads))
+                spans.append((*backward, rest + grads))
         for begin, end, nbytes in spans:
             if nbytes > 0:
                 counted.append(

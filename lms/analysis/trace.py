@@ -52,10 +52,10 @@ def default_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch
     return loss
 
 
-def _refuse_sharded(model: torch.nn.Module, name: str) -> None:
-    """Refuse a model whose parameters are sharded across processes by anything but FSDP2:
-    fake tensors stand in for the local shards, not for the collectives that gather them
-    (Note [FSDP2's layers traced whole]).
+def _refuse_sharded(model: torch.nn.Module, name: str, units: list[fsdp.Unit]) -> None:
+    """Refuse a model whose parameters are sharded across processes by anything but FSDP2's
+    ``units``: fake tensors stand in for the local shards, not for the collectives that gather
+    them (Note [FSDP2's layers traced whole]).
 
     Raises:
         UnplannableStepError: naming the first such parameter.
@@ -64,7 +64,7 @@ def _refuse_sharded(model: torch.nn.Module, name: str) -> None:
         return
     from torch.distributed.tensor import DTensor
 
-    sharded = {id(t) for t in fsdp.sharded_parameters(model)}
+    sharded = {id(getattr(module, param)) for unit in units for module, param, _, _ in unit.params}
     for where, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if isinstance(tensor, DTensor) and id(tensor) not in sharded:
             raise UnplannableStepError(
@@ -275,8 +275,8 @@ def trace_step(
     # weights) are traced as fake copies of themselves.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     built, real = _build(model, fake_mode, target)
-    _refuse_sharded(built, name)
     sharded = fsdp.units(built)
+    _refuse_sharded(built, name, sharded)
     fake_state = _fake_state(built, target) if real else _noop()
     with (
         _old_objects_frozen(),

@@ -143,6 +143,16 @@ def _sendable(value: Any) -> Any:
     return value
 
 
+def _received(value: Any, device: torch.device) -> Any:
+    """A job's argument as the timing process runs it: a tensor made up on ``device``, a memory
+    format from its name, anything else as it is."""
+    if isinstance(value, TensorMeta):
+        return _made_up(value, device)
+    if isinstance(value, _MemoryFormat):
+        return getattr(torch, value.name)
+    return value
+
+
 def _time_in_child(
     jobs: list[Job], device: torch.device, limit_s: float
 ) -> dict[int, float | None]:
@@ -316,16 +326,7 @@ def _time_call(
     try:
         namespace, packet, overload = name.split(".")
         op = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
-        args, kwargs = tree_map(
-            lambda value: (
-                _made_up(value, device)
-                if isinstance(value, TensorMeta)
-                else getattr(torch, value.name)
-                if isinstance(value, _MemoryFormat)
-                else value
-            ),
-            (args, kwargs),
-        )
+        args, kwargs = tree_map(lambda value: _received(value, device), (args, kwargs))
         op(*args, **kwargs)  # warm-up
         sync()
         runs: list[float] = []

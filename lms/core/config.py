@@ -85,6 +85,13 @@ class LMSConfig:
     forward and backward (logging the batch in between, a forward-only step under the block):
     PyTorch reads an emptied storage without a check, and the process may crash."""
 
+    cpu_resident: bool = True
+    """With a budget on the CPU: hold it for the process's resident set, not only for the C heap
+    in use, by giving memory back to the system as it is freed (Note [The resident set follows
+    the heap under a budget]). Steps whose tensors are large take longer, as their pages are
+    faulted in afresh; False keeps the C allocator's own setting (faster; the resident set may
+    then pass the budget by what the allocator keeps)."""
+
     def __post_init__(self) -> None:
         if self.budget is not None:
             object.__setattr__(self, "budget", parse_bytes(self.budget, field="budget"))
@@ -110,8 +117,9 @@ class LMSConfig:
         _check_int("swapin_groupby", self.swapin_groupby, 0)
         _check_int("sync_mode", self.sync_mode, 0, 3)
         _check_int("min_offload_bytes", self.min_offload_bytes, 0)
-        if not isinstance(self.free_held, bool):
-            raise ValueError(f"lms: free_held={self.free_held!r} is not True or False")
+        for name in ("free_held", "cpu_resident"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"lms: {name}={getattr(self, name)!r} is not True or False")
         if self.spill_dir is not None and not isinstance(self.spill_dir, (str, os.PathLike)):
             raise ValueError(f"lms: spill_dir={self.spill_dir!r} is not a path")
         if self.spill_dir is not None and not os.fspath(self.spill_dir):
@@ -164,3 +172,4 @@ class LMSSettings(TypedDict, total=False):
     spill_reserve: int | str
     host_budget: int | str | None
     free_held: bool
+    cpu_resident: bool

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from lms.core.devices import FRESH_PAGES_BYTES, DeviceSpec
+from lms.core.devices import DeviceSpec
 
 __all__ = [
     "checksum_s",
@@ -61,25 +61,28 @@ def checksum_s(spec: DeviceSpec, nbytes: int) -> float:
 
 
 # Note: [Fresh pages]
-# glibc maps each allocation of `FRESH_PAGES_BYTES` or more anew, and the kernel hands whoever
-# first writes it zeroed pages one fault at a time; below that size, memory that earlier frees
-# left in glibc's heaps is reused. So on a CPU an op's first write of a large output, and a read
-# back into a large storage, cost their page faults on top of their traffic, each at a rate the
-# spec measures (`DeviceSpec.fresh_memory_gbps`, `DeviceSpec.fresh_read_gbps`). A GPU's caching
-# allocator hands out memory it already holds: its specs leave both rates None. Measurements:
-# benchmarks/results/README.md, "Fresh pages on a CPU".
+# glibc maps each allocation of `DeviceSpec.page_mapped_bytes` or more anew (`FRESH_PAGES_BYTES`,
+# its own largest threshold, or the smaller one a CPU budget fixes: Note [The resident set follows
+# the heap under a budget]), and the kernel hands whoever first writes it zeroed pages one fault at
+# a time; below that size, memory that earlier frees left in glibc's heaps is reused. So on a CPU
+# an op's first write of a large output, and a read back into a large storage, cost their page
+# faults on top of their traffic, each at a rate the spec measures (`DeviceSpec.fresh_memory_gbps`,
+# `DeviceSpec.fresh_read_gbps`). A GPU's caching allocator hands out memory it already holds: its
+# specs leave both rates None. Measurements: benchmarks/results/README.md, "Fresh pages on a CPU".
 def fresh_pages_s(spec: DeviceSpec, nbytes: int) -> float:
     """Seconds an op spends first writing a storage of ``nbytes`` mapped anew for it (Note
-    [Fresh pages]); 0 below `FRESH_PAGES_BYTES` or where the spec has no such cost."""
-    if spec.fresh_memory_gbps is None or nbytes < FRESH_PAGES_BYTES:
+    [Fresh pages]); 0 below the spec's `page_mapped_bytes` or where it has no such cost."""
+    mapped = spec.page_mapped_bytes
+    if spec.fresh_memory_gbps is None or mapped is None or nbytes < mapped:
         return 0.0
     return nbytes / (spec.fresh_memory_gbps * _GB)
 
 
 def fresh_read_s(spec: DeviceSpec, nbytes: int) -> float:
     """Seconds a read back of ``nbytes`` spends faulting in memory mapped anew for it (Note
-    [Fresh pages]); 0 below `FRESH_PAGES_BYTES` or where the spec has no such cost."""
-    if spec.fresh_read_gbps is None or nbytes < FRESH_PAGES_BYTES:
+    [Fresh pages]); 0 below the spec's `page_mapped_bytes` or where it has no such cost."""
+    mapped = spec.page_mapped_bytes
+    if spec.fresh_read_gbps is None or mapped is None or nbytes < mapped:
         return 0.0
     return nbytes / (spec.fresh_read_gbps * _GB)
 

@@ -11,6 +11,7 @@ __all__ = [
     "DEVICES",
     "FRESH_PAGES_BYTES",
     "LINK_MARGIN",
+    "MAPPED_ALONE_BYTES",
     "OpTimings",
     "device_spec",
 ]
@@ -18,6 +19,9 @@ __all__ = [
 GiB = 1024**3
 FRESH_PAGES_BYTES = 32 * 1024**2
 """glibc's largest threshold for mapping an allocation anew (`DeviceSpec.fresh_memory_gbps`)."""
+MAPPED_ALONE_BYTES = 1024**2
+"""The threshold a runtime with a CPU budget fixes instead (`lms.LMSConfig.cpu_resident`; Note [The
+resident set follows the heap under a budget]), which the "cpu" spec counts."""
 
 
 # Note: [A plan's margin on the link]
@@ -75,8 +79,10 @@ class DeviceSpec:
     """The caching allocator's rounding of each block."""
     page_mapped_bytes: int | None = None
     """Storages of at least this many bytes get pages of their own from the C allocator, one
-    page (4096 bytes) more than their bytes, its header's (Note [A mapped storage's own page]):
-    `FRESH_PAGES_BYTES` on the "cpu" spec; None where blocks are only rounded."""
+    page (4096 bytes) more than their bytes, its header's (Note [A mapped storage's own page]),
+    and fault them in afresh (Note [Fresh pages]): `MAPPED_ALONE_BYTES` on the "cpu" spec, as a
+    runtime with a budget sets it (`FRESH_PAGES_BYTES`, glibc's own largest, with
+    ``cpu_resident=False``); None where blocks are only rounded."""
     graph_bytes_per_op: int = 0
     """Memory each forward op's share of the autograd graph takes beside the tensors, until
     backward ends (Note [The autograd graph on a CPU's heap]): the "cpu" spec, whose budget counts
@@ -104,11 +110,11 @@ class DeviceSpec:
     fresh_memory_gbps: float | None = None
     """Rate, GB/s, at which an op first writes memory the allocator maps for it anew, on top of
     its traffic (Note [Fresh pages]): the "cpu" spec, for storages of at least
-    `FRESH_PAGES_BYTES`; None where that costs nothing more (a GPU's caching allocator)."""
+    `page_mapped_bytes`; None where that costs nothing more (a GPU's caching allocator)."""
     fresh_read_gbps: float | None = None
     """Rate, GB/s, at which a read back first writes memory the allocator maps for it anew, on
     top of the read (Note [Fresh pages]): the "cpu" spec, for storages of at
-    least `FRESH_PAGES_BYTES`; None where that costs nothing more."""
+    least `page_mapped_bytes`; None where that costs nothing more."""
     copies_take_compute: bool = False
     """Copies run on a host thread that takes a core the step's compute needs, so compute loses
     each copy's time (Note [Copies on a CPU take its cores]): the "cpu" spec while PyTorch's
@@ -196,7 +202,7 @@ DEVICES: dict[str, DeviceSpec] = {
             op_overhead_s=20e-6,
             write_log_op_s=30e-6,
             cpu_scratch=True,
-            page_mapped_bytes=FRESH_PAGES_BYTES,
+            page_mapped_bytes=MAPPED_ALONE_BYTES,
             graph_bytes_per_op=1536,
             fresh_memory_gbps=4.0,
             copies_take_compute=True,

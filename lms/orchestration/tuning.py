@@ -15,7 +15,7 @@ import torch
 
 from lms.analysis.simulate import simulate
 from lms.analysis.trace import StepFn, trace_step
-from lms.core.devices import DeviceSpec
+from lms.core.devices import FRESH_PAGES_BYTES, DeviceSpec
 from lms.core.errors import HostMemoryError, SpillError
 from lms.core.plan import Plan
 from lms.core.records import Trace
@@ -62,6 +62,7 @@ def tune_step(
     host_budget_bytes: int | None = None,
     spill_dir: str | None = None,
     free_held: bool = False,
+    cpu_resident: bool = True,
 ) -> TunedStep:
     """Trace ``step_fn(model, batch)`` under fake tensors and plan it for the model's device.
 
@@ -70,7 +71,9 @@ def tune_step(
     (`lms.orchestration.cache`).
     On a GPU, offloaded data beyond ``host_budget_bytes`` is planned into spill files (tier
     "auto"), or refused (tier "host"). ``free_held``: the plan may empty what the step's code
-    holds (`lms.LMSConfig.free_held`).
+    holds (`lms.LMSConfig.free_held`). ``cpu_resident``: on a CPU, whether the runtime gives
+    freed memory back as it runs (`lms.LMSConfig.cpu_resident`), which sets which storages fault
+    their pages in afresh.
 
     Raises:
         PlanInfeasibleError: when no plan fits the device budget.
@@ -82,6 +85,8 @@ def tune_step(
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     spec = local_device_spec(device)
+    if device.type != "cuda" and not cpu_resident:  # glibc's own threshold (Note [Fresh pages])
+        spec = dataclasses.replace(spec, page_mapped_bytes=FRESH_PAGES_BYTES)
     if device.type == "cuda" and tier == "auto":
         spec = spec.with_host_memory(host_budget_bytes)
     budget = spec.memory_bytes if budget_bytes is None else budget_bytes
@@ -101,7 +106,7 @@ def tune_step(
         card = torch.cuda.get_device_properties(device)
         where = f"{card.name}:{card.total_memory}:{spec.host_memory_bytes}"
     else:
-        where = spec.name
+        where = f"{spec.name}:{spec.page_mapped_bytes}"
     chooser = getattr(choose, "__qualname__", type(choose).__qualname__)
     setting = (where, __version__, planner_code(), half, chooser, *(["free_held"] * free_held))
     path = cache_path(cache_folder(cache_dir), trace, budget, setting)

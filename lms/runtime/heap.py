@@ -10,6 +10,19 @@ the bytes in use in the heap grew by 311.7, 306.3 and 306.3 MiB (simulated: 293.
 use (glibc's ``mallinfo2``) are what a CUDA card's ``max_memory_allocated`` counts there, and what
 the simulator predicts; the resident set is closer to the memory the allocator reserves. Where
 ``mallinfo2`` is missing (not glibc, or glibc before 2.33) the resident set is all there is.
+
+Note: [The resident set follows the heap under a budget]
+What the heap keeps is still the process's memory: the out-of-memory killer and the user see the
+resident set. ResNet50's steps on a 1 GiB budget grew the heap by 907 MiB and the resident set by
+up to 1.2 GiB, as chunks freed in forward, of other sizes than backward asks for, stayed resident
+while the heap grew past them (trimming the heap after each step did not lower that peak). A
+runtime with a budget on the CPU therefore fixes glibc's mmap threshold at `MAPPED_ALONE_BYTES`
+once (``mallopt``), which also stops glibc raising it: each allocation that large gets pages of
+its own, which go back to the system when it is freed, and the resident set grows as the heap in
+use does. The price is that such allocations fault their pages in afresh every step: those steps
+took about half as long again. ``LMS(cpu_resident=False)`` keeps glibc's own setting, for speed,
+and says that the resident set may then pass the budget. Measurements:
+benchmarks/results/README.md, "The resident set under a CPU budget".
 """
 
 from __future__ import annotations
@@ -21,9 +34,18 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["PeakMemory", "current_rss_bytes", "heap_in_use_bytes"]
+from lms.core.devices import MAPPED_ALONE_BYTES
+
+__all__ = [
+    "PeakMemory",
+    "current_rss_bytes",
+    "heap_in_use_bytes",
+    "release_freed_memory",
+]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_released: bool | None = None
 
 
 class _MallInfo2(ctypes.Structure):
@@ -64,6 +86,21 @@ def heap_in_use_bytes() -> int | None:
         return None
     info = _MALLINFO2()
     return int(info.uordblks + info.hblkhd)
+
+
+def release_freed_memory() -> bool:
+    """Make memory the C allocator frees leave the resident set, from now on in this process,
+    and give back what it keeps now (Note [The resident set follows the heap under a budget]).
+    False where the allocator is not glibc's. Idempotent."""
+    global _released
+    if _released is None:
+        try:
+            libc = ctypes.CDLL(None)
+            _released = bool(libc.mallopt(_M_MMAP_THRESHOLD, MAPPED_ALONE_BYTES))
+            libc.malloc_trim(0)
+        except AttributeError:  # not glibc
+            _released = False
+    return _released
 
 
 def current_rss_bytes() -> int:

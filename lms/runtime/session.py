@@ -21,7 +21,7 @@ from typing_extensions import Unpack
 
 from lms.core import policy
 from lms.core.config import LMSConfig, LMSSettings
-from lms.core.devices import DeviceSpec
+from lms.core.devices import MAPPED_ALONE_BYTES, DeviceSpec
 from lms.core.errors import LMSError
 from lms.core.junctions import in_backward
 from lms.core.keep import (
@@ -40,6 +40,7 @@ from lms.core.steprecord import StepRecord
 from lms.core.sync import SyncMode
 from lms.core.units import format_bytes
 from lms.runtime.follow import Follow
+from lms.runtime.heap import release_freed_memory
 from lms.runtime.pool import available_host_bytes
 from lms.runtime.recompute import Replays
 from lms.runtime.relief import Relief
@@ -119,6 +120,7 @@ class LMS:
         ):
             self._offloader.check_ready(torch.device("cpu"))
         self.stats = LMSStats()
+        self._resident_said = False
         self._lock = threading.RLock()
         self._step: Step | None = None
         self._record: policy.StepRecord | None = None
@@ -292,6 +294,7 @@ class LMS:
             host_budget_bytes=self._offloader.host_limit_bytes,
             spill_dir=self.config.spill_dir,
             free_held=self.config.free_held,
+            cpu_resident=self.config.cpu_resident,
         )
         self.plan = tuned.plan
         self._tuned = (tuned.trace, tuned.spec, tuned.half)
@@ -547,7 +550,43 @@ class LMS:
             return torch.cuda.memory_allocated(device)
         if device.type != "cpu":
             return 0
+        if (self.config.budget_bytes is not None or self.plan is not None) and (
+            not self._resident_said
+        ):
+            self._hold_resident()
         return sum({**self._keep.host_weights, **(step.first_call or {})}.values())
+
+    def _hold_resident(self) -> None:
+        """Once, at the first save on the CPU of a step with a budget or a plan: make the budget
+        hold for the resident set, or say that it may not (Note [The resident set follows the
+        heap under a budget])."""
+        self._resident_said = True
+        budget = (
+            f"the budget of {format_bytes(self.config.budget_bytes)}"
+            if self.config.budget_bytes is not None
+            else "the plan's budget"
+        )
+        if self.config.cpu_resident and release_freed_memory():
+            log.info(
+                "[LMS] On the CPU, %s holds for this process's resident set: allocations of "
+                "%s and more now go back to the system when freed (glibc's mmap threshold), "
+                "and are faulted in afresh each step; cpu_resident=False keeps glibc's own "
+                "setting, for speed",
+                budget,
+                format_bytes(MAPPED_ALONE_BYTES),
+            )
+        else:
+            why = (
+                "cpu_resident=False"
+                if not self.config.cpu_resident
+                else "the C allocator is not glibc's"
+            )
+            log.warning(
+                "[LMS] On the CPU, %s holds for the C heap in use; the resident set may pass "
+                "it by what the allocator keeps of freed memory (%s)",
+                budget,
+                why,
+            )
 
     def _recompute(self, step: Step, entry: Entry, storage: torch.UntypedStorage) -> bool:
         """Drop ``entry``'s storage now and recompute it in backward, if the plan says so."""

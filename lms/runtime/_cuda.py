@@ -32,12 +32,23 @@ Note: [Pinned to the byte]
     allocator, whose power of two is their size already. Registering a buffer first faults its
     pages in, one thread for all of them; PyTorch's intra-op threads fault them in first
     (zeroing them), so that registering only locks them.
+
+Note: [Host registration through cuda.bindings]
+    PyTorch binds ``cudaHostRegister`` and ``cudaHostUnregister`` but not ``cudaGetLastError``,
+    and a failed registration leaves its error in the runtime, where PyTorch's next kernel
+    launch would raise it as its own. NVIDIA's ``cuda.bindings`` (the ``cuda-bindings``
+    package, a dependency of PyTorch's CUDA wheels) binds all three: where it is installed and
+    its runtime reaches a device, the buffers are registered through it, and its own last error
+    is reset after a failure. Registration is the driver's, for the process: PyTorch's copies
+    see the buffers as pinned whichever runtime locked them. Elsewhere PyTorch's binding
+    registers them, and the reset is found among the process's loaded ``libcudart``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+from typing import Any
 
 import torch
 
@@ -52,10 +63,9 @@ def pin_host(nbytes: int) -> torch.Tensor | None:
     the host refuses to lock more memory."""
     buf = page_aligned(nbytes)
     buf.zero_()  # its pages faulted in on every intra-op thread
-    code = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, _PORTABLE))
+    code = _Runtime.get().register(buf.data_ptr(), nbytes)
     if code == 0:
         return buf
-    _forget_error()
     if code == _OUT_OF_MEMORY:
         return None
     raise torch.cuda.CudaError(code)
@@ -71,20 +81,68 @@ def page_aligned(nbytes: int) -> torch.Tensor:
 
 def unpin_host(buf: torch.Tensor) -> None:
     """Unlock a buffer from `pin_host`; its memory is freed once nothing references it."""
-    code = int(torch.cuda.cudart().cudaHostUnregister(buf.data_ptr()))
+    code = _Runtime.get().unregister(buf.data_ptr())
     if code != 0:
-        _forget_error()
         raise torch.cuda.CudaError(code)
 
 
-def _forget_error() -> None:
-    """Reset the runtime's last error, which PyTorch's next kernel launch would raise as its
-    own (PyTorch resets it when its own calls fail; these calls are not its own)."""
-    for library in (None, *_loaded("libcudart")):
-        reset = getattr(ctypes.CDLL(library), "cudaGetLastError", None)
-        if reset is not None:
-            reset()
+class _Runtime:
+    """``cudaHostRegister`` and ``cudaHostUnregister``, each leaving no error behind (Note [Host
+    registration through cuda.bindings])."""
+
+    _chosen: _Runtime | None = None
+
+    def __init__(self, bindings: Any = None):
+        self.bindings = bindings
+        """``cuda.bindings.runtime``, or None: PyTorch's own binding of the runtime."""
+
+    @classmethod
+    def get(cls) -> _Runtime:
+        """cuda.bindings' runtime where it is installed and reaches a device, else PyTorch's;
+        chosen once a process."""
+        if cls._chosen is None:
+            try:
+                from cuda.bindings import runtime
+            except ImportError:
+                runtime = None
+            reaches = runtime is not None and int(runtime.cudaGetDeviceCount()[0]) == 0
+            cls._chosen = cls(runtime if reaches else None)
+        return cls._chosen
+
+    def register(self, ptr: int, nbytes: int) -> int:
+        """Lock ``nbytes`` at ``ptr`` for every device of the process; the runtime's error
+        code (0: done)."""
+        if self.bindings is not None:
+            flags = self.bindings.cudaHostRegisterPortable
+            code = int(self.bindings.cudaHostRegister(ptr, nbytes, flags)[0])
+        else:
+            code = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))
+        if code != 0:
+            self._forget_error()
+        return code
+
+    def unregister(self, ptr: int) -> int:
+        """Unlock what `register` locked at ``ptr``; the runtime's error code (0: done)."""
+        if self.bindings is not None:
+            code = int(self.bindings.cudaHostUnregister(ptr)[0])
+        else:
+            code = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        if code != 0:
+            self._forget_error()
+        return code
+
+    def _forget_error(self) -> None:
+        """Reset the runtime's last error, which PyTorch's next kernel launch would raise as its
+        own where the runtime is PyTorch's (it resets it when its own calls fail; these calls
+        are not its own)."""
+        if self.bindings is not None:
+            self.bindings.cudaGetLastError()
             return
+        for library in (None, *_loaded("libcudart")):
+            reset = getattr(ctypes.CDLL(library), "cudaGetLastError", None)
+            if reset is not None:
+                reset()
+                return
 
 
 def _loaded(name: str) -> list[str]:

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import pickle
 import pickletools
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -137,10 +138,16 @@ def test_the_intervals_add_up_to_the_device_bytes_the_sweep_counted(report, spec
 
 
 def test_storages_glibc_maps_hold_their_pages_and_a_header_page():
-    """Note [A mapped storage's own page]: on the CPU spec a storage of 32 MiB or more counts
-    its pages and one more; smaller ones and a GPU's blocks the allocator's rounding."""
+    """Note [A mapped storage's own page]: on the CPU spec a storage the allocator maps alone
+    (here of 32 MiB or more, glibc's own threshold) counts its pages and one more; smaller ones
+    and a GPU's blocks the allocator's rounding."""
+    from lms.core.devices import FRESH_PAGES_BYTES, MAPPED_ALONE_BYTES
+
     trace = _wide_trace(torch.nn.Tanh())
-    cpu = device_spec("cpu")
+    assert device_spec("cpu").page_mapped_bytes == MAPPED_ALONE_BYTES  # a budget's threshold
+    cpu = dataclasses.replace(
+        device_spec("cpu"), page_mapped_bytes=FRESH_PAGES_BYTES, fresh_memory_gbps=None
+    )  # the same op times with and without the pages: Note [Fresh pages] prices them
     rounded = dataclasses.replace(cpu, page_mapped_bytes=None)
     mapped, plain = simulate(trace, None, cpu), simulate(trace, None, rounded)
     assert mapped.timeline_s == plain.timeline_s
@@ -235,12 +242,13 @@ def test_measured_compute_prices_ops_and_hides_copies(report):
 
 def test_ops_that_make_storages_the_allocator_maps_anew_pay_their_first_writes():
     """Note [Fresh pages]: each op pays bytes over the fresh-memory rate for the
-    storages of at least 32 MiB it makes, nothing for smaller ones; a GPU spec, nothing."""
+    storages the allocator maps alone that it makes (here of at least 32 MiB), nothing for
+    smaller ones; a GPU spec, nothing."""
     from lms.analysis.simulate import op_seconds
     from lms.core.devices import FRESH_PAGES_BYTES
 
     trace = _wide_trace(torch.nn.ReLU())
-    cpu = device_spec("cpu")
+    cpu = dataclasses.replace(device_spec("cpu"), page_mapped_bytes=FRESH_PAGES_BYTES)
     free = dataclasses.replace(cpu, fresh_memory_gbps=None)
     charged, uncharged = op_seconds(trace, cpu, False), op_seconds(trace, free, False)
     paid = [a - b for a, b in zip(charged, uncharged, strict=True)]
@@ -257,8 +265,9 @@ def test_ops_that_make_storages_the_allocator_maps_anew_pay_their_first_writes()
 
 
 def test_reads_back_into_fresh_pages_pay_their_faults():
-    """Note [Fresh pages]: a storage of at least 32 MiB read back from its spill
-    file costs the read and its first writes; a smaller one the read alone."""
+    """Note [Fresh pages]: a storage the allocator maps alone (here of at least 32 MiB) read
+    back from its spill file costs the read and its first writes; a smaller one the read
+    alone."""
     from lms.core.devices import FRESH_PAGES_BYTES
 
     trace = _wide_trace(torch.nn.Tanh(), torch.nn.Tanh())
@@ -266,7 +275,9 @@ def test_reads_back_into_fresh_pages_pay_their_faults():
     n = len(entries)
     # synchronous copies, no core lost to them: each read back adds its own time to the step
     plan = Plan(fingerprint="x", offload=tuple(range(n)), num_entries=n, sync_mode=3)
-    cpu = dataclasses.replace(device_spec("cpu"), copies_take_compute=False)
+    cpu = dataclasses.replace(
+        device_spec("cpu"), copies_take_compute=False, page_mapped_bytes=FRESH_PAGES_BYTES
+    )
     faulting = dataclasses.replace(cpu, fresh_read_gbps=0.5)
     extra = sum(size / 0.5e9 for _, size, _ in entries if size >= FRESH_PAGES_BYTES)
     assert extra > 0 and any(size < FRESH_PAGES_BYTES for _, size, _ in entries)
@@ -560,3 +571,63 @@ def test_the_html_report_holds_the_lines_the_memory_the_copies_and_the_plan(repo
     outs = {int(a["data-ordinal"]) for a in copies if a["data-direction"] == "out"}
     assert outs == set(plan.offload) - set(plan.recompute)
     assert any(t == "script" for t, _ in read.tags)  # the zoom
+
+
+def _chromium():
+    """A headless Chromium driven through ChromeDriver, or a skip naming what is missing."""
+    webdriver = pytest.importorskip("selenium.webdriver")
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if binary is None or driver is None:
+        pytest.skip("needs Chromium and ChromeDriver (Debian: chromium chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-quic",
+        "--no-first-run",
+        "--window-size=1280,900",
+    ):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(options=options, service=webdriver.ChromeService(driver))
+
+
+def test_the_html_report_draws_and_zooms_in_a_browser(report, tmp_path):
+    """Note [A report that works offline], in a real browser with no network: the page draws
+    both graphs and the table, its script raises nothing, the mouse wheel narrows a graph's time
+    axis about the pointer and a double click restores it."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.actions.wheel_input import ScrollOrigin
+    from selenium.webdriver.common.by import By
+
+    path = tmp_path / "report.html"
+    report.save_html(path)
+    browser = _chromium()
+    try:
+        browser.get(path.as_uri())
+        svg = browser.find_element(By.ID, "memory")
+        full = [float(v) for v in svg.get_dom_attribute("viewBox").split()]
+        assert svg.size["width"] > 500 and svg.size["height"] > 100
+        drawn = browser.execute_script(
+            "return [...document.querySelectorAll('polyline.memory')]"
+            ".map(line => line.getBBox().width)"
+        )
+        assert len(drawn) == 2 and min(drawn) > 0.9 * full[2]  # across the whole step
+        rows = browser.find_elements(By.CSS_SELECTOR, "#plan tbody tr")
+        assert len(rows) == len(report.trace.entries()) and rows[0].is_displayed()
+        assert browser.find_elements(By.CSS_SELECTOR, "#copies rect.copy")
+        ActionChains(browser).scroll_from_origin(ScrollOrigin.from_element(svg), 0, -300).perform()
+        zoomed = [float(v) for v in svg.get_dom_attribute("viewBox").split()]
+        assert zoomed[2] < full[2] and full[0] <= zoomed[0] <= full[0] + full[2] - zoomed[2]
+        ActionChains(browser).double_click(svg).perform()
+        assert [float(v) for v in svg.get_dom_attribute("viewBox").split()] == full
+        errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+        assert not errors, errors
+        browser.save_screenshot(str(tmp_path / "report.png"))
+    finally:
+        browser.quit()

@@ -517,3 +517,25 @@ def test_a_step_record_on_cuda_times_ops_copies_and_waits_on_the_cards_clock(
     assert result.measured_copy_s > 0 and result.predicted_copy_s > 0
     print(result)
     offload.close()
+
+
+def test_a_refused_registration_leaves_no_error_for_pytorch():
+    """Note [Host registration through cuda.bindings]: where cuda.bindings is installed it
+    registers the buffers; registering one twice is refused, and PyTorch's next kernels run."""
+    from lms.runtime import _cuda
+
+    runtime = _cuda._Runtime.get()
+    try:
+        import cuda.bindings  # noqa: F401
+
+        assert runtime.bindings is not None
+    except ImportError:
+        assert runtime.bindings is None
+    buf = pin_host(6 * 1024**2)
+    assert buf is not None and buf.is_pinned()
+    assert runtime.register(buf.data_ptr(), buf.numel()) != 0  # registered already
+    x = torch.ones(1024, device="cuda")
+    assert float((x + 1).sum()) == 2048.0
+    torch.cuda.synchronize()
+    _cuda.unpin_host(buf)
+    assert not buf.is_pinned()

@@ -1,6 +1,7 @@
 """The host pool pins what it counts, no more, and unpins what it drops (Note [Pinned to the
 byte]); a CUDA device's pool is played on the CPU with page-locking recorded instead of done."""
 
+import ctypes
 import gc
 
 import pytest
@@ -178,19 +179,36 @@ def test_the_simulator_counts_host_memory_as_the_pool_takes_it(locked, monkeypat
     offload.close()
 
 
+@pytest.mark.parametrize("bindings", [True, False])  # cuda.bindings' runtime, PyTorch's
 @pytest.mark.parametrize("code", [0, 2, 1])  # success, cudaErrorMemoryAllocation, another
-def test_pin_host_locks_whole_pages_and_answers_a_refusal(monkeypatch, code):
+def test_pin_host_locks_whole_pages_and_answers_a_refusal(monkeypatch, code, bindings):
+    """Note [Host registration through cuda.bindings]: either runtime locks whole pages, and a
+    refusal resets that runtime's last error, so that PyTorch's next kernel launch cannot see it."""
     from lms.runtime import _cuda
 
     calls, resets = [], []
 
-    class Runtime:  # torch.cuda.cudart(), answering `code`
-        def cudaHostRegister(self, ptr, nbytes, flags):
-            calls.append((ptr, nbytes, flags))
-            return code
+    def register(ptr, nbytes, flags):
+        calls.append((ptr, nbytes, flags))
+        return (code,) if bindings else code
 
-    monkeypatch.setattr(torch.cuda, "cudart", Runtime)
-    monkeypatch.setattr(_cuda, "_forget_error", lambda: resets.append(code))
+    class Bindings:  # cuda.bindings.runtime, answering `code`
+        cudaHostRegisterPortable = 1
+        cudaHostRegister = staticmethod(register)
+
+        @staticmethod
+        def cudaGetLastError():
+            resets.append(code)
+            return (code,)
+
+    class Torch:  # torch.cuda.cudart(), answering `code`
+        cudaHostRegister = staticmethod(register)
+
+    monkeypatch.setattr(_cuda._Runtime, "_chosen", _cuda._Runtime(Bindings if bindings else None))
+    monkeypatch.setattr(torch.cuda, "cudart", Torch)
+    if not bindings:
+        monkeypatch.setattr(_cuda, "_loaded", lambda name: [])
+        monkeypatch.setattr(ctypes, "CDLL", lambda library: Bindings)
     nbytes = 6 * MiB
     if code == 1:
         with pytest.raises(torch.cuda.CudaError):
@@ -205,3 +223,14 @@ def test_pin_host_locks_whole_pages_and_answers_a_refusal(monkeypatch, code):
     ptr, size, flags = calls[0]
     assert ptr % 4096 == 0 and size == nbytes and flags == 1  # portable: for every device
     assert resets == ([] if code == 0 else [code])  # the next kernel launch must not see it
+
+
+def test_cuda_bindings_serve_only_where_their_runtime_reaches_a_device(monkeypatch):
+    """Here no driver answers: registration falls back to PyTorch's binding."""
+    from lms.runtime import _cuda
+
+    pytest.importorskip("cuda.bindings")
+    if torch.cuda.is_available():
+        pytest.skip("a device answers here")
+    monkeypatch.setattr(_cuda._Runtime, "_chosen", None)
+    assert _cuda._Runtime.get().bindings is None

@@ -109,6 +109,14 @@ class Clock:
         self.relieved = relieved_junctions(trace, plan)
         self.free_held = plan.free_held_events() if plan is not None else {}
         """Entries emptied while the code holds them, and the event from which (`Plan`)."""
+        self.gaps = (
+            {o: g for o, g in plan.gaps_of().items() if o in self.offload}
+            if plan is not None and plan.held_gaps
+            else {}
+        )
+        """Their gaps in forward, ``(empty_at, fill_at)`` events (`Plan.held_gaps`)."""
+        self.gap_spans: dict[int, list[tuple[float, float]]] = {}
+        """For each, when each gap emptied it and when its fill began (gaps that emptied it)."""
         self.allowance = (
             allowance(trace, plan.budget_bytes)
             if plan is not None and plan.budget_bytes is not None
@@ -185,6 +193,12 @@ class Clock:
                 issues.append((issue_op[ordinal], ordinal))
                 needs.append((first_use[storage_of[ordinal]], ordinal))
         self.saves_at, self.issues_at, self.needs_at = _by_op(saves), _by_op(issues), _by_op(needs)
+        event_ops = self.trace.event_ops
+        self.fills_at: dict[int, list[tuple[int, int, int]]] = {}
+        for ordinal, gaps in self.gaps.items():
+            for empty_at, fill_at in gaps:
+                op = event_ops[fill_at - 1]
+                self.fills_at.setdefault(op, []).append((ordinal, empty_at, fill_at))
 
     def _run(self, ahead: int, plan: Plan | None) -> None:
         self._schedule(ahead, plan is not None and SyncMode(plan.sync_mode).on_demand)
@@ -202,6 +216,7 @@ class Clock:
             *self.needs_at,
             *self.reloads_at,
             *self.joins_at,
+            *self.fills_at,
         }
         num_ops = len(self.trace.ops)
         waiting = 0  # the first op not run yet
@@ -212,6 +227,8 @@ class Clock:
                 kept += kept_at.get(index, 0)
             for ordinal in self.saves_at.get(index, ()):
                 self._save(ordinal, kept)
+            for ordinal, empty_at, fill_at in self.fills_at.get(index, ()):
+                self._fill(ordinal, empty_at, fill_at)
             for ordinal, k in self.takes_at.get(index, ()):
                 self._take(ordinal, k)
             for ordinal in self.issues_at.get(index, ()):
@@ -299,6 +316,31 @@ class Clock:
     # the copies still running are a queue whose head finishes first. The clock keeps that queue
     # and its bytes as it goes, so that each save costs the copies it retires, not a pass over
     # every copy still in flight (a long step saves thousands of tensors).
+
+    def _fill(self, ordinal: int, empty_at: int, fill_at: int) -> None:
+        """Fill ``ordinal`` again before forward reads it next, if the runtime emptied it at an
+        event of the gap: the first from ``empty_at`` on that came once its copy out (a spilled
+        one's write) was done (Note [Gaps in what the code holds]). The step waits for the read."""
+        copied = self.written.get(ordinal, self.out_done.get(ordinal))
+        if copied is None:
+            return
+        emptied = None
+        for op in self.trace.event_ops[empty_at - 1 : fill_at - 1]:
+            at = self.start[op] if op < self.at_op else self.now
+            if at >= copied:
+                emptied = at
+                break
+        if emptied is None:
+            return
+        size = self.entries[ordinal][1]
+        begin = self.now
+        if ordinal in self.spill:
+            self.disk_free = max(self.now, self.disk_free) + costs.spill_read_s(self.spec, size)
+            self._wait_until(self.disk_free + costs.copy_in_s(self.spec, size))
+        else:
+            self.h2d_free = max(self.now, self.h2d_free) + costs.copy_in_s(self.spec, size)
+            self._wait_until(self.h2d_free)
+        self.gap_spans.setdefault(ordinal, []).append((emptied, begin))
 
     def _take(self, ordinal: int, k: int) -> None:
         """Copy the k-th partial gradient of a relieved junction out."""

@@ -451,6 +451,10 @@ class _Residency:
         """On the device until copied out, and again from each load to the use it serves."""
         clock = self.clock
         begin, finish = self._begin(record), clock.op_end(record.free_op)
+        # Note [Gaps in what the code holds]: off the device between each gap's two ends
+        for emptied_s, filled_s in clock.gap_spans.get(ordinal, ()):
+            self._add(record, begin, emptied_s)
+            begin = filled_s
         if ordinal in clock.free_held:
             into_backward = record.alloc_op < 0 or record.id in clock.trace.held_by_code
             emptied = self._emptied(record, ordinal, into_backward)

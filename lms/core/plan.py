@@ -45,6 +45,12 @@ class Plan:
     free_held_at: tuple[int, ...] = ()
     """For each ordinal of `free_held`, the saved-tensor event (counting saves and reads from 1)
     from which the runtime empties it, once its copy out has finished."""
+    held_gaps: tuple[tuple[int, int, int], ...] = ()
+    """``(ordinal, empty_at, fill_at)`` for each stretch of forward over which the step's code
+    holds an offloaded ordinal without reading it: from saved-tensor event ``empty_at`` on,
+    once its copy out has finished, its storage is emptied, and at event ``fill_at`` filled
+    again from the copy, before forward's next read of it (Note [Gaps in what the code
+    holds])."""
     swapin_ahead: int = 2
     """Offloaded tensors brought back ahead of backward's use."""
     sync_mode: int = SyncMode.ASYNC
@@ -120,6 +126,30 @@ class Plan:
                 "or that Plan.refetch reads back per use, or Plan.free_held_at does not give an "
                 f"event for each of its {len(self.free_held)} ordinals"
             )
+        if self.held_gaps:
+            self._check_gaps()
+
+    def gaps_of(self) -> dict[int, list[tuple[int, int]]]:
+        """The `held_gaps` of each ordinal, ``(empty_at, fill_at)`` in order, by ordinal."""
+        found: dict[int, list[tuple[int, int]]] = {}
+        for ordinal, empty_at, fill_at in sorted(self.held_gaps):
+            found.setdefault(ordinal, []).append((empty_at, fill_at))
+        return found
+
+    def _check_gaps(self) -> None:
+        last = self.free_held_events()
+        moved = set(self.offload) - set(self.refetch)
+        ends: dict[int, int] = {}
+        for ordinal, empty_at, fill_at in sorted(self.held_gaps):
+            before = last.get(ordinal, fill_at + 1)
+            if ordinal not in moved or not ends.get(ordinal, 0) < empty_at < fill_at < before:
+                raise ValueError(
+                    f"lms: Plan.held_gaps has ({ordinal}, {empty_at}, {fill_at}): each gap must "
+                    "name an ordinal of Plan.offload not read back per use, and events empty_at "
+                    "< fill_at after the ordinal's previous gap (and before its Plan.free_held_at "
+                    "event)"
+                )
+            ends[ordinal] = fill_at
 
     def free_held_events(self) -> dict[int, int]:
         """The event from which each ordinal of `free_held` is emptied, by ordinal."""
@@ -154,6 +184,7 @@ class Plan:
         data["relieved_partials"] = tuple(data.get("relieved_partials", ()))
         data["free_held"] = tuple(data.get("free_held", ()))
         data["free_held_at"] = tuple(data.get("free_held_at", ()))
+        data["held_gaps"] = tuple(tuple(gap) for gap in data.get("held_gaps", ()))
         data["use_order"] = tuple(data.get("use_order", ()))
         return cls(**data)
 

@@ -33,14 +33,24 @@ def plan_auto(
     which one leads to the faster plan depends on the model and the budget.
 
     ``free_held``: plans may empty what the step's code holds (Note [Emptying what the code
-    holds]). Where a plan that empties nothing also fits, it is searched too and stands unless
-    the emptying plan is predicted faster by more than 0.1%: emptying costs a copy in for each
-    storage, and asks the step's code to leave it alone.
+    holds]); where none fits so, also over the gaps between forward's reads of what they offload
+    (Note [Gaps in what the code holds]). Where a plan that empties nothing also fits, it is
+    searched too and stands unless the emptying plan is predicted faster by more than 0.1%:
+    emptying costs a copy in for each storage, and asks the step's code to leave it alone.
 
     Raises:
         PlanInfeasibleError: when not even offloading everything fits.
     """
-    fastest = _fastest(trace, spec, budget_bytes, half=half, free_held=free_held)
+    try:
+        fastest = _fastest(trace, spec, budget_bytes, half=half, free_held=free_held)
+    except PlanInfeasibleError:
+        if not free_held:
+            raise
+        log.info(
+            "[LMS] free_held: no plan fits emptying what the code holds after forward's last "
+            "read of it; searching plans that also empty it between forward's reads"
+        )
+        return plan_greedy(trace, spec, budget_bytes, half=half, free_held=True, gaps=True)
     if not fastest.free_held:
         return fastest
     emptying = f"the plan that empties {len(fastest.free_held)} held storages"

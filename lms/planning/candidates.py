@@ -10,7 +10,7 @@ from lms.analysis.simulate import SimResult, simulate
 from lms.core.devices import DeviceSpec
 from lms.core.plan import Plan
 from lms.core.records import Trace
-from lms.planning.spans import emptiable, host_spans, place_spill, replay_inputs
+from lms.planning.spans import emptiable, held_gaps, host_spans, place_spill, replay_inputs
 
 __all__ = ["Candidates"]
 
@@ -34,6 +34,9 @@ class Candidates:
     """Gradient junctions relieved in every plan (set by `smallest_plan`)."""
     free_held: bool = False
     """Whether plans empty what the step's code holds (Note [Emptying what the code holds])."""
+    gaps: bool = False
+    """With `free_held`: whether plans also empty what they offload over the gaps between
+    forward's reads of it (Note [Gaps in what the code holds])."""
 
     def __post_init__(self) -> None:
         self.fingerprint = self.trace.fingerprint()
@@ -41,6 +44,8 @@ class Candidates:
         self._host_spans = host_spans(self.trace, self.spec)
         self.emptiable = emptiable(self.trace) if self.free_held else {}
         """Entries a plan may empty while the code holds them, and the event from which."""
+        self.held_gaps = held_gaps(self.trace) if self.free_held and self.gaps else {}
+        """Their gaps in forward, by ordinal."""
         self._results: dict[Plan | None, SimResult] = {}
         """Each plan simulated so far, and its result (Note [Each plan simulated once])."""
         # Note: [Inputs in plans]
@@ -93,6 +98,11 @@ class Candidates:
             refetch=tuple(sorted(refetch)),
             free_held=tuple(emptied),
             free_held_at=tuple(self.emptiable[ordinal] for ordinal in emptied),
+            held_gaps=tuple(
+                (ordinal, *gap)
+                for ordinal in sorted(chosen - refetch)
+                for gap in self.held_gaps.get(ordinal, ())
+            ),
             recompute=tuple(sorted(remade)),
             relieved_junctions=tuple(relieved),
             relieved_partials=tuple(meeting[ordinal].partials for ordinal in relieved),
@@ -128,6 +138,20 @@ class Candidates:
 
     def fits(self, result: SimResult) -> bool:
         return result.peak_bytes <= self.budget_bytes
+
+    def fewest_gaps(self, plan: Plan) -> tuple[Plan, SimResult]:
+        """``plan`` without each of its gaps that it fits without, the last gaps first (the
+        largest ones are usually the first: a U-Net's outermost skip). Each gap costs a read back
+        in forward."""
+        result = self.run(plan)
+        for gap in reversed(plan.held_gaps):
+            trial = dataclasses.replace(
+                plan, held_gaps=tuple(g for g in plan.held_gaps if g != gap)
+            )
+            trial_result = self.run(trial)
+            if self.fits(trial_result):
+                plan, result = trial, trial_result
+        return plan, result
 
     def finish(self, plan: Plan, result: SimResult) -> Plan:
         """The plan with its predictions; the simulator checks every plan a planner returns."""

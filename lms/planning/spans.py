@@ -5,13 +5,21 @@ that a plan may empty."""
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable
 
 from lms.core.devices import DeviceSpec
 from lms.core.recipes import recipes
 from lms.core.records import Trace
 
-__all__ = ["emptiable", "entry_distances", "host_spans", "place_spill", "replay_inputs"]
+__all__ = [
+    "emptiable",
+    "entry_distances",
+    "held_gaps",
+    "host_spans",
+    "place_spill",
+    "replay_inputs",
+]
 
 
 def host_spans(trace: Trace, spec: DeviceSpec) -> list[tuple[int, int, int]]:
@@ -96,6 +104,51 @@ def emptiable(trace: Trace) -> dict[int, int]:
         after = bisect.bisect_right(event_ops, record.last_read_op)
         if after < len(event_ops):
             found[ordinal] = trace.events[after].level
+    return found
+
+
+# Note: [Gaps in what the code holds]
+# A U-Net's code holds each encoder output from its encoder block until its decoder block reads it
+# again, a residual block its input from the block's first op to its add: the tensor is read,
+# then nothing reads it over a long stretch of forward, then it is read again. Its copy out frees
+# nothing while the code holds it, and `emptiable` empties it only after forward's last read, so
+# it takes device memory over every stretch. A gap is one such stretch: from the first
+# saved-tensor event after a forward read (``empty_at``) to the last event before the next one
+# (``fill_at``), with at least one event between. The runtime empties the storage from
+# ``empty_at`` on, once its copy out (made when autograd first saved it) has finished, and fills
+# it again in place from that copy at ``fill_at``, waiting for the read; events of one op's inputs
+# come before its kernel runs, so the storage is full again before the op that reads it. The copy
+# stays for backward. The simulator counts the storage out of device memory between the two, and
+# the step's wait for each read (`lms.analysis.clock.Clock`). Plans made with ``free_held`` have
+# gaps: as there, the trace must have seen every read, and a step that departs from it may read
+# a storage that is empty.
+def held_gaps(trace: Trace) -> dict[int, tuple[tuple[int, int], ...]]:
+    """For each entry, the gaps between forward's reads of it after its save, as ``(empty_at,
+    fill_at)`` saved-tensor events, in order (Note [Gaps in what the code holds]); entries
+    without a gap, and those a kept save holds (autograd reads them in place), are left out."""
+    event_ops, events, entries = trace.event_ops, trace.events, trace.entries()
+    held = {
+        storage: ordinal
+        for ordinal, (storage, _, _) in enumerate(entries)
+        if storage not in trace.held
+    }
+    reads: dict[int, list[int]] = {}
+    for op in trace.ops:
+        if op.phase == "forward":
+            for storage in held.keys() & set(op.inputs):
+                reads.setdefault(storage, []).append(op.index)
+    found = {}
+    for storage, ops in reads.items():
+        ordinal = held[storage]
+        gaps = []
+        # from the save on: the copy out that a gap's emptying waits for starts there
+        for read, next_read in itertools.pairwise(op for op in ops if op >= entries[ordinal][2]):
+            empty = bisect.bisect_right(event_ops, read)
+            fill = bisect.bisect_right(event_ops, next_read) - 1
+            if empty < fill:
+                gaps.append((events[empty].level, events[fill].level))
+        if gaps:
+            found[ordinal] = tuple(gaps)
     return found
 
 

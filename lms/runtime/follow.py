@@ -131,6 +131,15 @@ class Follow:
             step.empty_at = self.plan.free_held_events()
         return step.empty_at.get(entry.ordinal)
 
+    def gaps(self, step: Step, entry: Entry) -> list[tuple[int, int]]:
+        """The stretches of forward over which the plan empties ``entry`` and fills it again, as
+        ``(empty_at, fill_at)`` events in order (Note [Gaps in what the code holds])."""
+        if self.plan is None or not self.plan.held_gaps or step.diverged:
+            return []
+        if step.gaps is None:
+            step.gaps = self.plan.gaps_of()
+        return list(step.gaps.get(entry.ordinal, ()))
+
     def spills(self, step: Step | None, entry: Entry) -> bool:
         """Whether the plan sends ``entry`` to a spill file rather than host memory."""
         if self.plan is None or not self.plan.spill or step is None or step.diverged:

@@ -510,8 +510,10 @@ class LMS:
             self._evict(step)
         elif self._follow.offloads(step, entry):
             self._offload(entry)
-            entry.empty_at = self._follow.empty_at(step, entry) if entry.offloaded else None
-            if entry.empty_at is not None:
+            if entry.offloaded:
+                entry.empty_at = self._follow.empty_at(step, entry)
+                entry.gaps = self._follow.gaps(step, entry)
+            if entry.empty_at is not None or entry.gaps:
                 step.to_empty.append(entry)
             self._evict(step)
         elif entry.held and not self._follow.following(step):
@@ -699,10 +701,22 @@ class LMS:
         self._offloader.poll()
         waiting = []
         for entry in step.to_empty:
-            if entry.pending_out is not None or step.level < (entry.empty_at or 0):
+            while entry.gaps and step.level >= entry.gaps[0][1]:  # forward reads it next
+                if entry.emptied:
+                    self._offloader.fill(entry)  # Note [Gaps in what the code holds]
+                    self.stats.gap_fills += 1
+                    self.stats.gap_filled_bytes += entry.nbytes
+                entry.gaps.pop(0)
+            if not entry.gaps and entry.empty_at is None:
+                continue  # past its last gap: forward's last read lets it go
+            start = entry.gaps[0][0] if entry.gaps else entry.empty_at or 0
+            if entry.pending_out is not None or step.level < start:
                 waiting.append(entry)
-            elif entry.offloaded and not entry.back and not entry.released:
+                continue
+            if not entry.emptied and entry.offloaded and not entry.back and not entry.released:
                 self._offloader.empty(entry)
+            if entry.gaps:  # filled again before its next read, then emptied again
+                waiting.append(entry)
         step.to_empty = waiting
         self.stats.emptied_bytes = self._offloader.emptied_bytes
 

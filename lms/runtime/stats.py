@@ -28,7 +28,12 @@ class LMSStats:
     """Of those, bytes written to spill files."""
     emptied_bytes: int = 0
     """Of those, bytes of storages the step's code held, emptied in place while it did (a plan
-    made with ``free_held``)."""
+    made with ``free_held``), each time they were emptied."""
+    gap_fills: int = 0
+    """Emptied storages filled again in forward, before the code read them again (the plan's
+    `lms.Plan.held_gaps`)."""
+    gap_filled_bytes: int = 0
+    """Their bytes, each time."""
     recomputed_tensors: int = 0
     """Storages dropped in forward and recomputed in backward, as the plan said."""
     recomputed_bytes: int = 0

@@ -196,6 +196,7 @@ class Step:
         self.recompute_set: set[int] | None = None
         self.spill_set: set[int] | None = None
         self.empty_at: dict[int, int] | None = None
+        self.gaps: dict[int, list[tuple[int, int]]] | None = None  # the plan's, by ordinal
         self.use_queue: list[Entry] | None = None
         self.use_pos: dict[int, int] = {}
         self.offloaded_at: list[int] = []  # positions in use_queue of offloaded entries, sorted

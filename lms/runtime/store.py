@@ -56,6 +56,7 @@ class Entry:
         "held",
         "origin",
         "empty_at",
+        "gaps",
         "emptied",
         "into",
     )
@@ -85,6 +86,7 @@ class Entry:
         self.held = False  # a save kept in place holds its storage: moving it frees nothing
         self.origin = weakref.ref(storage)  # the device storage, alive while anything holds it
         self.empty_at: int | None = None  # the event from which the plan empties it (free_held)
+        self.gaps: list[tuple[int, int]] = []  # (empty_at, fill_at) still to come, in forward
         self.emptied = False  # its device storage, which the code holds, is empty for now
         self.into: torch.Tensor | None = None  # that device storage, while its file is read
 

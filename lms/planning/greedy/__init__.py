@@ -45,6 +45,7 @@ def plan_greedy(
     max_simulations: int = 20000,
     first: str = "relieve",
     free_held: bool = False,
+    gaps: bool = False,
 ) -> Plan:
     """The plan with the shortest predicted step that fits ``budget_bytes``.
 
@@ -54,12 +55,14 @@ def plan_greedy(
     points twice as many found plans faster by 0.3 points of overhead at most. ``first`` is the
     remedy tried first where offloading everything alone does not fit
     (`lms.planning.minimum.smallest_plan`). ``free_held``: plans may empty what the step's code
-    holds (Note [Emptying what the code holds]).
+    holds (Note [Emptying what the code holds]); ``gaps``: with it, also over the gaps between
+    forward's reads of what they offload, those the plan fits without left out (Note [Gaps in
+    what the code holds]).
 
     Raises:
         PlanInfeasibleError: when not even offloading everything fits.
     """
-    candidates = Candidates(trace, spec, budget_bytes, half, free_held=free_held)
+    candidates = Candidates(trace, spec, budget_bytes, half, free_held=free_held, gaps=gaps)
     plain = candidates.run(None)
     if candidates.fits(plain):
         return candidates.finish(candidates.plan((), source="planner"), plain)
@@ -67,19 +70,21 @@ def plan_greedy(
     search = Search(candidates, half=half, max_simulations=max_simulations)
     found = search.best()
     if found is None:
-        return candidates.finish(minimum_plan, minimum)
+        return candidates.finish(*candidates.fewest_gaps(minimum_plan))
     _, plan = restart(search, *found, plain.step_s)
+    plan = candidates.fewest_gaps(plan)[0]
     entries = trace.entries()
     kept = set(range(len(entries))) - set(plan.offload) - set(plan.recompute)
     result = candidates.run(plan)
     log.info(
-        "[LMS] [Planner] keep %d, offload %d, recompute %d of %d saved storages%s; "
+        "[LMS] [Planner] keep %d, offload %d, recompute %d of %d saved storages%s%s; "
         "swapin_ahead %d, sync_mode %d; %d simulations",
         len(kept),
         len(plan.offload),
         len(plan.recompute),
         len(entries),
         f", empty {len(plan.free_held)} held" if plan.free_held else "",
+        f" ({len(plan.held_gaps)} gaps in forward)" if plan.held_gaps else "",
         plan.swapin_ahead,
         plan.sync_mode,
         candidates.simulations,

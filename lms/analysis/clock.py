@@ -194,11 +194,12 @@ class Clock:
                 needs.append((first_use[storage_of[ordinal]], ordinal))
         self.saves_at, self.issues_at, self.needs_at = _by_op(saves), _by_op(issues), _by_op(needs)
         event_ops = self.trace.event_ops
-        self.fills_at: dict[int, list[tuple[int, int, int]]] = {}
+        empties, fills = [], []
         for ordinal, gaps in self.gaps.items():
             for empty_at, fill_at in gaps:
-                op = event_ops[fill_at - 1]
-                self.fills_at.setdefault(op, []).append((ordinal, empty_at, fill_at))
+                empties.append((event_ops[empty_at - 1], ordinal))
+                fills.append((event_ops[fill_at - 1], ordinal))
+        self.empties_at, self.fills_at = _by_op(empties), _by_op(fills)
 
     def _run(self, ahead: int, plan: Plan | None) -> None:
         self._schedule(ahead, plan is not None and SyncMode(plan.sync_mode).on_demand)
@@ -216,6 +217,7 @@ class Clock:
             *self.needs_at,
             *self.reloads_at,
             *self.joins_at,
+            *self.empties_at,
             *self.fills_at,
         }
         num_ops = len(self.trace.ops)
@@ -227,8 +229,10 @@ class Clock:
                 kept += kept_at.get(index, 0)
             for ordinal in self.saves_at.get(index, ()):
                 self._save(ordinal, kept)
-            for ordinal, empty_at, fill_at in self.fills_at.get(index, ()):
-                self._fill(ordinal, empty_at, fill_at)
+            for ordinal in self.empties_at.get(index, ()):
+                self._empty(ordinal)
+            for ordinal in self.fills_at.get(index, ()):
+                self._fill(ordinal)
             for ordinal, k in self.takes_at.get(index, ()):
                 self._take(ordinal, k)
             for ordinal in self.issues_at.get(index, ()):
@@ -317,22 +321,16 @@ class Clock:
     # and its bytes as it goes, so that each save costs the copies it retires, not a pass over
     # every copy still in flight (a long step saves thousands of tensors).
 
-    def _fill(self, ordinal: int, empty_at: int, fill_at: int) -> None:
-        """Fill ``ordinal`` again before forward reads it next, if the runtime emptied it at an
-        event of the gap: the first from ``empty_at`` on that came once its copy out (a spilled
-        one's write) was done (Note [Gaps in what the code holds]). The step waits for the read."""
-        copied = self.written.get(ordinal, self.out_done.get(ordinal))
-        if copied is None:
-            return
-        emptied = None
-        for op in self.trace.event_ops[empty_at - 1 : fill_at - 1]:
-            at = self.start[op] if op < self.at_op else self.now
-            if at >= copied:
-                emptied = at
-                break
-        if emptied is None:
-            return
+    def _empty(self, ordinal: int) -> None:
+        """A gap of ``ordinal`` begins: wait for its copy out (a spilled one's write), then it is
+        out of device memory (Note [Gaps in what the code holds])."""
+        self._wait_until(self.written.get(ordinal, self.out_done[ordinal]))
+        self.gap_spans.setdefault(ordinal, []).append((self.now, self.now))
+
+    def _fill(self, ordinal: int) -> None:
+        """Its gap ends: fill it again from its copy before forward reads it next, waiting."""
         size = self.entries[ordinal][1]
+        emptied, _ = self.gap_spans[ordinal][-1]
         begin = self.now
         if ordinal in self.spill:
             self.disk_free = max(self.now, self.disk_free) + costs.spill_read_s(self.spec, size)
@@ -340,7 +338,7 @@ class Clock:
         else:
             self.h2d_free = max(self.now, self.h2d_free) + costs.copy_in_s(self.spec, size)
             self._wait_until(self.h2d_free)
-        self.gap_spans.setdefault(ordinal, []).append((emptied, begin))
+        self.gap_spans[ordinal][-1] = (emptied, begin)
 
     def _take(self, ordinal: int, k: int) -> None:
         """Copy the k-th partial gradient of a relieved junction out."""

@@ -114,9 +114,10 @@ def emptiable(trace: Trace) -> dict[int, int]:
 # nothing while the code holds it, and `emptiable` empties it only after forward's last read, so
 # it takes device memory over every stretch. A gap is one such stretch: from the first
 # saved-tensor event after a forward read (``empty_at``) to the last event before the next one
-# (``fill_at``), with at least one event between. The runtime empties the storage from
-# ``empty_at`` on, once its copy out (made when autograd first saved it) has finished, and fills
-# it again in place from that copy at ``fill_at``, waiting for the read; events of one op's inputs
+# (``fill_at``), with an op between. At ``empty_at`` the runtime waits for the storage's copy out
+# (made when autograd first saved it) and empties it, so that what the plan counts on is free
+# whatever the link's or the disk's pace, and at ``fill_at`` it fills it again in place from that
+# copy, waiting for the read; events of one op's inputs
 # come before its kernel runs, so the storage is full again before the op that reads it. The copy
 # stays for backward. The simulator counts the storage out of device memory between the two, and
 # the step's wait for each read (`lms.analysis.clock.Clock`). Plans made with ``free_held`` have
@@ -145,7 +146,7 @@ def held_gaps(trace: Trace) -> dict[int, tuple[tuple[int, int], ...]]:
         for read, next_read in itertools.pairwise(op for op in ops if op >= entries[ordinal][2]):
             empty = bisect.bisect_right(event_ops, read)
             fill = bisect.bisect_right(event_ops, next_read) - 1
-            if empty < fill:
+            if empty < fill and event_ops[empty] < event_ops[fill]:  # an op runs between
                 gaps.append((events[empty].level, events[fill].level))
         if gaps:
             found[ordinal] = tuple(gaps)

@@ -707,16 +707,19 @@ class LMS:
                     self.stats.gap_fills += 1
                     self.stats.gap_filled_bytes += entry.nbytes
                 entry.gaps.pop(0)
+            if entry.gaps and step.level >= entry.gaps[0][0]:  # in a gap: out, for the plan
+                if not entry.emptied and not entry.back and not entry.released:
+                    self._offloader.empty_now(entry)
+                waiting.append(entry)
+                continue
             if not entry.gaps and entry.empty_at is None:
                 continue  # past its last gap: forward's last read lets it go
             start = entry.gaps[0][0] if entry.gaps else entry.empty_at or 0
             if entry.pending_out is not None or step.level < start:
                 waiting.append(entry)
                 continue
-            if not entry.emptied and entry.offloaded and not entry.back and not entry.released:
+            if entry.offloaded and not entry.back and not entry.released:
                 self._offloader.empty(entry)
-            if entry.gaps:  # filled again before its next read, then emptied again
-                waiting.append(entry)
         step.to_empty = waiting
         self.stats.emptied_bytes = self._offloader.emptied_bytes
 

@@ -307,6 +307,13 @@ class Offloader:
         self.emptied_bytes += entry.nbytes
         self._emptied[entry.key] = entry
 
+    def empty_now(self, entry: Entry) -> None:
+        """Wait for ``entry``'s copy out, then `empty` it: where a plan's gap in forward begins
+        (Note [Gaps in what the code holds])."""
+        self._complete(entry, wait=True)
+        if entry.offloaded:
+            self.empty(entry)
+
     def _fill_target(self, entry: Entry) -> torch.Tensor | None:
         """The bytes of ``entry``'s emptied storage, given back its size for a load to fill."""
         if not entry.emptied:

@@ -4,7 +4,8 @@ A torchvision ResNet50 (batch 2, 512 px, SGD with momentum) tuned for a 1 GiB bu
 tier, five steps in a fresh process for each setting (the setting changes the C allocator for the
 whole process: Note [The resident set follows the heap under a budget]). For each step: its time,
 the peak growth of the heap in use and of the resident set over its start, and the resident set
-after it over the first step's start. Writes JSON.
+after it over the first step's start; and the step time the tuned plan was predicted at. Writes
+JSON.
 
     .venv/bin/python benchmarks/cpu_resident.py [--out benchmarks/results/cpu_resident.json]
 """
@@ -42,7 +43,10 @@ def step(m, b):
 
 offload = lms.LMS(budget=sys.argv[2], tier="disk", cpu_resident=sys.argv[1] == "on",
                   spill_dir=sys.argv[6])
-offload.tune(model, [x, y], step, cache_dir=None)
+plan = offload.tune(model, [x, y], step, cache_dir=None)
+trace, spec, half = offload.priced_on
+from lms.analysis import simulate
+predicted = simulate(trace, plan, spec, half=half).step_s
 start = current_rss_bytes()
 rows = []
 with PeakMemory() as whole:
@@ -58,7 +62,7 @@ with PeakMemory() as whole:
                      "resident_growth_bytes": memory.rss_growth_bytes,
                      "resident_after_bytes": current_rss_bytes() - start})
 print(json.dumps({"steps": rows, "peak_resident_growth_bytes": whole.rss_growth_bytes,
-                  "offloaded": offload.stats.offloaded_tensors}))
+                  "offloaded": offload.stats.offloaded_tensors, "predicted_step_s": predicted}))
 """
 
 
@@ -91,7 +95,8 @@ def main() -> None:
         print(
             f"{name}: steady step {sum(s['seconds'] for s in steady) / len(steady):.2f} s; "
             f"heap growth {max(s['heap_growth_bytes'] for s in steady) / 2**20:.0f} MiB; "
-            f"resident set peak growth {run['peak_resident_growth_bytes'] / 2**20:.0f} MiB"
+            f"resident set peak growth {run['peak_resident_growth_bytes'] / 2**20:.0f} MiB; "
+            f"predicted step {run['predicted_step_s']:.2f} s"
         )
 
 

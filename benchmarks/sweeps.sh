@@ -5,12 +5,12 @@
 #
 #   benchmarks/sweeps.sh                    # all of them
 #   benchmarks/sweeps.sh resnet50 unet3d    # some: resnet50 resnet50_free_held googlenet
-#                                           # deeplabv3 unet3d
+#                                           # deeplabv3 unet3d unet3d_free_held
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 out=${LMS_RESULTS:-benchmarks/results}
-models=${*:-resnet50 resnet50_free_held googlenet deeplabv3 unet3d}
+models=${*:-resnet50 resnet50_free_held googlenet deeplabv3 unet3d unet3d_free_held}
 
 sweep() {  # model, spec name, file suffix, extra args
   $PY -m lms -q sweep --model "$1" --gpu-memory 32GiB --device-spec "$2" \
@@ -29,6 +29,8 @@ for model in $models; do
     unet3d)
       sweep unet3d v100-32gb v100-32gb --step 16 --start 64
       sweep unet3d h100 h100-pcie5-32gb --step 16 --start 64 ;;
+    unet3d_free_held)  # the encoder outputs the U-Net's code holds, emptied; it finds its start
+      sweep unet3d v100-32gb v100-32gb_free_held --step 16 --free-held ;;
     *) echo "unknown model $model" >&2; exit 2 ;;
   esac
 done

@@ -92,6 +92,14 @@ def info_lines(
             "the step's code still holds, once forward has read them for the last time; backward"
             " fills them again in place (free_held)"
         )
+    if plan.held_gaps:  # Note [Gaps in what the code holds]
+        gapped = {ordinal for ordinal, _, _ in plan.held_gaps}
+        refilled = sum(trace.entries()[i][1] for i, _, _ in plan.held_gaps)
+        lines.append(
+            f"[LMS] Empty {len(gapped)} offloaded storages that the step's code holds over "
+            f"{len(plan.held_gaps)} gaps between forward's reads of them too, each filled again "
+            f"before the next read ({format_bytes(refilled)} read back in forward)"
+        )
     if plan.spill:
         lines.append(
             f"[LMS] Host memory ({format_bytes(spec.host_memory_bytes or 0)}) is short: "

@@ -20,7 +20,8 @@ runtime with a budget on the CPU therefore fixes glibc's mmap threshold at `MAPP
 once (``mallopt``), which also stops glibc raising it: each allocation that large gets pages of
 its own, which go back to the system when it is freed, and the resident set grows as the heap in
 use does. The price is that such allocations fault their pages in afresh every step: those steps
-took about half as long again. ``LMS(cpu_resident=False)`` keeps glibc's own setting, for speed,
+took 1.5 to 4 times as long on this project's CPU, and the "cpu" spec prices those faults
+(`DeviceSpec.page_mapped_bytes`). ``LMS(cpu_resident=False)`` keeps glibc's own setting, for speed,
 and says that the resident set may then pass the budget. Measurements:
 benchmarks/results/README.md, "The resident set under a CPU budget".
 """

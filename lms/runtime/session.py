@@ -798,7 +798,7 @@ class LMS:
     def _log_step(self, step: Step) -> None:
         log.info(
             "[LMS] step %d saved %d storages (%s); offloaded %d (%s), %s to disk; "
-            "peak resident saved %s",
+            "peak resident saved %s%s",
             step.number,
             len(step.entries),
             format_bytes(sum(e.nbytes for e in step.entries)),
@@ -806,6 +806,9 @@ class LMS:
             format_bytes(self.stats.offloaded_bytes),
             format_bytes(self.stats.spilled_bytes),
             format_bytes(self.stats.peak_resident_saved_bytes),
+            f"; filled {self.stats.gap_fills} held storages again in forward"
+            if self.stats.gap_fills
+            else "",
         )
         allowance = self._follow.allowance(step)
         budget = self.config.budget_bytes

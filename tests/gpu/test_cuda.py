@@ -539,3 +539,28 @@ def test_a_refused_registration_leaves_no_error_for_pytorch():
     torch.cuda.synchronize()
     _cuda.unpin_host(buf)
     assert not buf.is_pinned()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_gaps_in_what_the_code_holds_are_bitwise_on_cuda(deterministic_cudnn, spill_dir, tier):
+    """Note [Gaps in what the code holds]: a budget between the floors without and with gaps, so
+    the plan must empty the stem's output between its two reads and fill it again."""
+    from tests.runtime.test_free_held import GAPPED_NET, _square_step
+
+    namespace: dict = {}
+    exec(GAPPED_NET, {"torch": torch}, namespace)
+    torch.manual_seed(0)
+    model, x = namespace["Net"]().cuda(), torch.randn(1, 3, 1024, 1024, device="cuda")
+    reference = namespace["Net"]().cuda()
+    reference.load_state_dict(model.state_dict())
+    with pytest.raises(lms.PlanInfeasibleError) as info:
+        lms.LMS(budget=1, free_held=True).tune(model, [x], _square_step)
+    offload = lms.LMS(
+        budget=info.value.min_budget_bytes + 2**20, tier=tier, spill_dir=spill_dir, free_held=True
+    )
+    plan = offload.tune(model, [x], _square_step)
+    assert plan.held_gaps
+    for step in range(1, 4):
+        assert_bitwise(run_step(reference, (x,)), run_step(model, (x,), offload))
+        assert offload.stats.gap_fills == step * len(plan.held_gaps)
+    offload.close()

@@ -262,14 +262,8 @@ def test_emptying_lowers_the_measured_heap_as_simulated(spill_dir):
 # A stem's 64 channels, read by a squeeze to 4 channels and again by the head, and held in
 # between while the squeezed ones grow to 256 channels and are averaged back down: forward's
 # largest op runs in the gap between the two reads (Note [Gaps in what the code holds]).
-GAPPED = (
-    COMMON
-    + textwrap.dedent(
-        """
-    import copy
-    from lms.planning.candidates import Candidates
-    from lms.planning.minimum import smallest_plan
-
+GAPPED_NET = textwrap.dedent(
+    """
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -282,6 +276,16 @@ GAPPED = (
             x = self.stem(x)
             wide = self.expand(torch.relu(self.squeeze(x)))
             return self.head(torch.cat([x, torch.relu(wide.mean(1, keepdim=True))], 1))
+    """
+)
+GAPPED = (
+    COMMON
+    + GAPPED_NET
+    + textwrap.dedent(
+        """
+    import copy
+    from lms.planning.candidates import Candidates
+    from lms.planning.minimum import smallest_plan
 
     model, x = Net(), torch.randn(1, 3, 256, 256)
     reference = copy.deepcopy(model)
@@ -328,3 +332,54 @@ def test_a_tensor_held_across_forwards_largest_op_goes_out_between_its_reads(spi
     for growth in found["measured"]:
         assert abs(growth - found["simulated"]) <= 0.02 * found["simulated"], found
         assert found["before"] + growth <= found["budget"], found
+
+
+def _square_step(model, batch):
+    loss = model(*batch).float().square().mean()
+    loss.backward()
+    return loss
+
+
+def test_gaps_are_planned_only_where_nothing_fits_without_and_said(spill_dir):
+    """Note [Gaps in what the code holds]: the planner empties over gaps only where no plan fits
+    emptying after forward's last read alone; the report says so; the clock counts the storage
+    out between the gap's ends; and the step follows it bitwise."""
+    from lms.analysis import simulate
+    from lms.report.text import info_lines
+
+    namespace: dict = {}
+    exec(GAPPED_NET, {"torch": torch}, namespace)
+    torch.manual_seed(0)
+    model, x = namespace["Net"](), torch.randn(1, 3, 96, 96)
+    reference = run_step(model, [x])
+    trace = trace_step(model, [x], _square_step, device="cpu")  # as run_step's
+    spec = local_device_spec(torch.device("cpu"))
+    floors = []
+    for gaps in (False, True):
+        with pytest.raises(lms.PlanInfeasibleError) as refused:
+            smallest_plan(Candidates(trace, spec, 1, free_held=True, gaps=gaps))
+        floors.append(refused.value.min_budget_bytes)
+    assert floors[1] < floors[0]
+    roomy = plan_auto(trace, spec, floors[0] + 2**20, free_held=True)
+    assert not roomy.held_gaps  # fits without: no read back in forward
+    plan = plan_auto(trace, spec, (floors[0] + floors[1]) // 2, free_held=True)
+    assert len(plan.held_gaps) == 1
+    planned = simulate(trace, plan, spec)
+    ((ordinal, _, _),) = plan.held_gaps
+    assert planned.peak_bytes <= plan.budget_bytes
+    lines = info_lines(
+        trace,
+        spec,
+        simulate(trace, None, spec),
+        plan,
+        planned,
+        budget_bytes=plan.budget_bytes,
+        free_held=True,
+    )
+    assert any("over 1 gaps between forward's reads" in line for line in lines)
+    offload = lms.LMS(plan=plan, tier="disk", spill_dir=spill_dir, free_held=True)
+    for _ in range(2):
+        assert_bitwise(reference, run_step(model, [x], offload))
+    assert offload.stats.gap_fills == 2
+    offload.close()
+    assert spill_files(spill_dir) == []

@@ -37,31 +37,49 @@ for (const svg of document.querySelectorAll('svg.zoom')) {
       Math.max(full[0], at - (at - box[0]) * width / box[2]), full[0] + full[2] - width);
     svg.setAttribute('viewBox', [left, box[1], width, box[3]].join(' '));
   });
-  svg.addEventListener('dblclick', () => svg.setAttribute('viewBox', full.join(' ')));
+  svg.addEventListener('dblclick', () => {
+    svg.setAttribute('viewBox', full.join(' '));
+    window.getSelection().removeAllRanges();
+  });
 }
 """
 
 
-def _steps(times_s: Sequence[float], values: Sequence[float], end_s: float, top: float) -> str:
-    """SVG polyline points of a step function over the graph's box."""
-    if not times_s or top <= 0 or end_s <= 0:
+def _steps(
+    times_s: Sequence[float], values: Sequence[float], end_s: float, low: float, top: float
+) -> str:
+    """SVG polyline points of a step function over the graph's box, whose height spans ``low``
+    to ``top``."""
+    if not times_s or top <= low or end_s <= 0:
         return ""
-    points, last = [], 0.0
+    points, last = [], values[0]
     for time_s, value in zip(times_s, values, strict=True):
         x = _WIDTH * time_s / end_s
-        points += [
-            f"{x:.2f},{_HEIGHT * (1 - last / top):.2f}",
-            f"{x:.2f},{_HEIGHT * (1 - value / top):.2f}",
-        ]
+        points += [f"{x:.2f},{_y(last, low, top):.2f}", f"{x:.2f},{_y(value, low, top):.2f}"]
         last = value
-    points.append(f"{_WIDTH:.2f},{_HEIGHT * (1 - last / top):.2f}")
+    points.append(f"{_WIDTH:.2f},{_y(last, low, top):.2f}")
     return " ".join(points)
+
+
+def _y(value: float, low: float, top: float) -> float:
+    return _HEIGHT * (1 - (value - low) / (top - low))
 
 
 def _memory_svg(plain: SimResult, planned: SimResult | None, budget_bytes: int) -> str:
     results = [r for r in (plain, planned) if r is not None]
     end_s = max(r.timeline_s[-1] if r.timeline_s else 0.0 for r in results) or 1.0
     top = 1.05 * max(budget_bytes, *(r.peak_bytes for r in results))
+    # the axis starts below the lowest curve rather than at zero: the workspace margin, counted
+    # all step, would otherwise flatten the step's own changes against the top
+    lowest = min(
+        (
+            r.peak_bytes - max(r.device_bytes) + min(r.device_bytes)
+            for r in results
+            if r.device_bytes
+        ),
+        default=0,
+    )
+    low = max(0.0, min(lowest, budget_bytes) - 0.05 * top)
     lines = []
     for result, color, name in (
         (plain, "#c0392b", "without LMS"),
@@ -74,9 +92,9 @@ def _memory_svg(plain: SimResult, planned: SimResult | None, budget_bytes: int) 
         lines.append(
             f'<polyline class="memory" data-name="{name}" data-peak="{result.peak_bytes}" '
             f'fill="none" stroke="{color}" stroke-width="1.5" vector-effect="non-scaling-stroke" '
-            f'points="{_steps(result.timeline_s, counted, end_s, top)}"/>'
+            f'points="{_steps(result.timeline_s, counted, end_s, low, top)}"/>'
         )
-    y = _HEIGHT * (1 - budget_bytes / top)
+    y = _y(budget_bytes, low, top)
     lines.append(
         f'<line class="budget" data-bytes="{budget_bytes}" x1="0" x2="{_WIDTH}" y1="{y:.2f}" '
         f'y2="{y:.2f}" stroke="black" stroke-dasharray="6 4" vector-effect="non-scaling-stroke"/>'
@@ -92,7 +110,8 @@ def _memory_svg(plain: SimResult, planned: SimResult | None, budget_bytes: int) 
             if planned is not None
             else ""
         )
-        + f"dashed the budget ({format_bytes(budget_bytes)}). Scroll to zoom, double-click to "
+        + f"dashed the budget ({format_bytes(budget_bytes)}). The vertical axis runs from "
+        f"{format_bytes(int(low))} to {format_bytes(int(top))}. Scroll to zoom, double-click to "
         "reset.</p>"
     )
 

@@ -701,11 +701,11 @@ class LMS:
         self._offloader.poll()
         waiting = []
         for entry in step.to_empty:
+            if step.diverged and entry.gaps:  # the plan's events no longer say when
+                self._fill_gap(entry)
+                entry.gaps = []
             while entry.gaps and step.level >= entry.gaps[0][1]:  # forward reads it next
-                if entry.emptied:
-                    self._offloader.fill(entry)  # Note [Gaps in what the code holds]
-                    self.stats.gap_fills += 1
-                    self.stats.gap_filled_bytes += entry.nbytes
+                self._fill_gap(entry)
                 entry.gaps.pop(0)
             if entry.gaps and step.level >= entry.gaps[0][0]:  # in a gap: out, for the plan
                 if not entry.emptied and not entry.back and not entry.released:
@@ -722,6 +722,14 @@ class LMS:
                 self._offloader.empty(entry)
         step.to_empty = waiting
         self.stats.emptied_bytes = self._offloader.emptied_bytes
+
+    def _fill_gap(self, entry: Entry) -> None:
+        """Fill ``entry`` again from its copy if a gap emptied it (Note [Gaps in what the code
+        holds]), waiting for the read."""
+        if entry.emptied:
+            self._offloader.fill(entry)
+            self.stats.gap_fills += 1
+            self.stats.gap_filled_bytes += entry.nbytes
 
     def _prefetch_after(self, step: Step, entry: Entry) -> None:
         """Start loading the next offloaded entries backward will read after ``entry``."""

@@ -301,6 +301,9 @@ GAPPED = (
     budget = sum(floors) // 2
     plan = lms.LMS(budget=budget, tier="disk", spill_dir=sys.argv[1], free_held=True).tune(
         model, [x], step, cache_dir=sys.argv[1] + "/plans")
+    # copies awaited both ways (the partial gradients a relieved junction sends out too), so
+    # that what is resident does not depend on how fast the disk is
+    plan = dataclasses.replace(plan, sync_mode=3)
     offload = lms.LMS(plan=plan, budget=budget, tier="disk", spill_dir=sys.argv[1],
                       free_held=True)
     sim = simulate(trace, plan, spec)

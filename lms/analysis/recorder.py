@@ -505,11 +505,15 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # activations in the contiguous layout in and the results back, and in half precision keeps a weight
 # gradient's operands in single precision; the native kernels kept for small convolutions unfold the
 # input into columns, one per kernel tap. `_cpu_scratch` estimates each of these from the op's
-# tensors, channels counted up to a whole block of `_CHANNEL_BLOCK`. A dilated convolution whose
-# kernel spans more than its input takes more than estimated. The simulator counts scratch for the
-# "cpu" spec only (`DeviceSpec.cpu_scratch`); other ops' scratch is small. The sizes measured per
-# kernel, and how close the estimates came: benchmarks/results/README.md, "Convolution scratch on
-# the CPU".
+# tensors, channels counted up to a whole block of `_CHANNEL_BLOCK`. A convolution runs in the
+# channels-last layout where its input or its weight is in it, and copies an input that is not
+# (an instance norm's output, which comes contiguous) into it first; backward likewise copies an
+# output gradient laid out otherwise than the convolution runs (the gradient of a mean over
+# channels, which comes contiguous). A dilated
+# convolution whose kernel spans more than its input takes more than estimated. The simulator
+# counts scratch for the "cpu" spec only (`DeviceSpec.cpu_scratch`); other ops' scratch is small.
+# The sizes measured per kernel, and how close the estimates came: benchmarks/results/README.md,
+# "Convolution scratch on the CPU".
 _CONVOLUTIONS = {"aten.convolution.default", "aten.convolution_backward.default"}
 _CHANNEL_BLOCK = 16
 
@@ -543,11 +547,17 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
     strided = any(step > 1 for step in settings[0])
     made = grad_out.numel() * grad_out.element_size()  # the output, or its gradient
     widened = _widened(given, grad_out, args, transposed or strided) if backward else 0
+    # activations laid out otherwise than the convolution runs are copied into its layout first:
+    # an output gradient in backward, and in the channels-last layout an input too
+    runs_in = layout if last else torch.contiguous_format
+    relayout = made if backward and not grad_out.is_contiguous(memory_format=runs_in) else 0
+    if last and not given.is_contiguous(memory_format=layout):
+        relayout += given.numel() * given.element_size()
     if last:
         if backward:
             wide = 2 * made if strided and not transposed and args[10][0] else 0
-            return weights + (max(wide, widened) if strided or transposed else widened)
-        return weights + (made if transposed else 0)
+            return weights + relayout + (max(wide, widened) if strided or transposed else widened)
+        return weights + relayout + (made if transposed else 0)
     pad = _blocked(given), _blocked(grad_out)
     pointwise = math.prod(weight.shape[2:]) == 1
     if not backward:
@@ -559,10 +569,10 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
         return weights + max(pad)
     input_grad = pad[0] if args[10][0] else 0
     if strided or transposed:
-        return weights + pad[1] + pad[0] + max(input_grad, widened)
+        return weights + relayout + pad[1] + pad[0] + max(input_grad, widened)
     if widened and not args[10][0] and pointwise:
         widened = 0  # a pointwise convolution's weight gradient alone: none
-    return weights + pad[1] + max(pad[0], input_grad) + widened
+    return weights + relayout + pad[1] + max(pad[0], input_grad) + widened
 
 
 def _widened(given: torch.Tensor, grad_out: torch.Tensor, args: Any, strided: bool) -> int:

@@ -336,7 +336,10 @@ def test_a_contiguous_convolution_takes_cpu_scratch_and_only_the_cpu_counts_it()
     assert peaks[0] > peaks[1] == peaks[2]
     last = _conv_trace(torch.channels_last)  # oneDNN takes it as it is at stride 1
     moved = {op.index: op.cpu_scratch_bytes for op in last.ops if "convolution" in op.name}
-    assert list(moved.values()) == [first, weights, 2 * weights, first], moved
+    # but for the gradient of the sum, which comes contiguous: backward copies it into the layout
+    # (measured: 288 KiB over its outputs, for these 258 KiB)
+    relaid = 16 * 62 * 62 * 4
+    assert list(moved.values()) == [first, weights, 2 * weights + relaid, first], moved
     assert last.fingerprint() != trace.fingerprint()
 
 
@@ -364,7 +367,8 @@ def test_transposed_and_half_precision_convolutions_take_their_cpu_scratch():
 
     scratch = [backward_scratch(half), backward_scratch(None)]
     tensors = 16 * 62 * 62 + 16 * 64 * 64  # the output gradient and the input, 8 channels as 16
-    assert scratch[0]["Sequential.1"] == 2 * 8 * 16 * 9 * 2 + tensors * 2 + 2 * tensors * 2
+    relaid = 8 * 62 * 62 * 2  # the sum's gradient comes expanded in bfloat16: copied in first
+    assert scratch[0]["Sequential.1"] == 2 * 8 * 16 * 9 * 2 + relaid + tensors * 2 + 2 * tensors * 2
     assert scratch[1]["Sequential.1"] == 2 * 8 * 16 * 9 * 4 + tensors * 4
     assert scratch[0]["Sequential.0"] < scratch[1]["Sequential.0"]
 

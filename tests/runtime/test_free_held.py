@@ -386,3 +386,54 @@ def test_gaps_are_planned_only_where_nothing_fits_without_and_said(spill_dir):
     assert offload.stats.gap_fills == 2
     offload.close()
     assert spill_files(spill_dir) == []
+
+
+# MONAI's 3D U-Net in the channels-last layout on the disk tier, at a budget below what any plan
+# needs while its code holds the encoder outputs until its decoder reads them.
+UNET = COMMON + textwrap.dedent(
+    """
+    import copy
+    from monai.networks.nets import BasicUNet
+
+    fmt = torch.channels_last_3d
+    model = BasicUNet(spatial_dims=3, in_channels=1, out_channels=2,
+                      features=(8, 8, 16, 32, 64, 8)).to(memory_format=fmt)
+    x = torch.randn(1, 1, 80, 80, 80).contiguous(memory_format=fmt)
+    reference = copy.deepcopy(model)
+    step(reference, [x])
+    folder = sys.argv[1]
+    trace = trace_step(model, [x], step, device="cpu")
+    before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
+    budget = before + 129 * 2**20
+    refused = None
+    try:
+        lms.LMS(budget=budget, tier="disk", spill_dir=folder).tune(
+            model, [x], step, cache_dir=folder + "/plans")
+    except lms.PlanInfeasibleError as error:
+        refused = error.min_budget_bytes
+    plan = lms.LMS(budget=budget, tier="disk", spill_dir=folder, free_held=True).tune(
+        model, [x], step, cache_dir=folder + "/plans")
+    plan = dataclasses.replace(plan, sync_mode=3)  # as above: not the disk's pace
+    offload = lms.LMS(plan=plan, budget=budget, tier="disk", spill_dir=folder, free_held=True)
+    sim = simulate(trace, plan, local_device_spec(torch.device("cpu")))
+    measured = measured_growth(model, x, offload, steps=2)
+    bitwise = all(
+        torch.equal(a.grad, b.grad) for a, b in zip(reference.parameters(), model.parameters()))
+    print(json.dumps({"refused": refused, "budget": budget, "before": before,
+                      "measured": measured, "simulated": sim.peak_tensor_bytes - before,
+                      "emptied": offload.stats.emptied_bytes, "bitwise": bitwise}))
+    """
+)
+
+
+def test_a_3d_unet_trains_on_disk_under_a_budget_its_held_encoder_outputs_would_break(spill_dir):
+    """Without emptying what the code holds, no plan fits this budget; with it the U-Net's steps
+    are bitwise, and the C heap grows as simulated (within 2%) and within the budget."""
+    args = [sys.executable, "-c", UNET, spill_dir]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["refused"] is not None and found["refused"] > found["budget"], found
+    assert found["emptied"] > 0 and found["bitwise"], found
+    for growth in found["measured"]:
+        assert abs(growth - found["simulated"]) <= 0.02 * found["simulated"], found
+        assert found["before"] + growth <= found["budget"], found

@@ -148,8 +148,8 @@ def run_demo(
             if memory is None or not heap_counted
             else [
                 "[LMS] The resident set grew by up to "
-                f"{format_bytes(memory.rss_growth_bytes)} a step (glibc keeps freed heap "
-                "memory resident for reuse)"
+                f"{format_bytes(memory.rss_growth_bytes)} a step (freed memory goes back to the "
+                "system: LMSConfig.cpu_resident)"
             ]
         ),
         f"[LMS] Offloaded {format_bytes(stats.offloaded_bytes / max(stats.steps, 1))} per step "

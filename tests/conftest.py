@@ -1,5 +1,8 @@
 import contextlib
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +15,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def run_script(script, *args, timeout=600):
+    """Run ``script`` in a fresh Python process (where this repository's ``tests`` imports) with
+    ``args``; its standard output. A process of its own measures memory from nothing else's."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    ).stdout
+
+
+def script_json(script, *args, timeout=600):
+    """`run_script`, and the JSON of its output's last line."""
+    return json.loads(run_script(script, *args, timeout=timeout).strip().splitlines()[-1])
 
 
 @pytest.fixture(autouse=True)

@@ -1,8 +1,6 @@
 """`lms train` and `lms bench`: real loops, the peers, and the summary they report."""
 
 import json
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -14,7 +12,7 @@ from lms.core.errors import StepFailedError
 from lms.harness.bench import summarize
 from lms.harness.train import checkpoint_blocks, train
 from lms.harness.zoo import ZOO
-from tests.conftest import check_schema
+from tests.conftest import check_schema, script_json
 
 
 def test_every_method_trains_and_measures():
@@ -339,14 +337,7 @@ def test_the_demo_trains_past_its_budget_within_it_as_simulated(tmp_path):
         "import json, sys; from lms.harness.demo import run_demo; "
         "print(json.dumps(run_demo(out_dir=sys.argv[1], steps=2)))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=600,
-    )
-    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    figures = script_json(script, tmp_path)
     measured, budget = figures["measured_peak_bytes"], figures["budget_bytes"]
     assert measured <= budget < figures["plain_peak_bytes"] / 2
     # the step's timing can leave it below the simulation (2.6% on a busy machine), not far

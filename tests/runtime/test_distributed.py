@@ -3,8 +3,6 @@ DistributedDataParallel, an FSDP2 (fully_shard) or a tensor-parallel step (gloo)
 
 import gc
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lms
 import lms.analysis
-from tests.conftest import same_bits
+from tests.conftest import run_script, same_bits
 
 WORLD = 2
 
@@ -295,12 +293,5 @@ finally:
 def test_a_policy_that_gathers_in_another_dtype_is_refused_before_tracing(tmp_path):
     """FSDP2's MixedPrecisionPolicy(param_dtype=...) runs a step the trace of the stored
     parameters would not see: tune says so, naming the fix."""
-    out = subprocess.run(
-        [sys.executable, "-c", MIXED, str(tmp_path / "rendezvous")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    ).stdout
+    out = run_script(MIXED, tmp_path / "rendezvous", timeout=300)
     assert "MixedPrecisionPolicy" in out and "torch.bfloat16" in out, out

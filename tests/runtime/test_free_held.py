@@ -2,10 +2,7 @@
 holds whole again after every step and every fault, memory as simulated (Note [Emptying what
 the code holds])."""
 
-import json
 import logging
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,7 +17,7 @@ from lms.planning.candidates import Candidates
 from lms.planning.minimum import smallest_plan
 from lms.planning.spans import emptiable
 from lms.runtime.disk import SpillStore
-from tests.conftest import assert_bitwise, hooks_are_gone, run_step, spill_files
+from tests.conftest import assert_bitwise, hooks_are_gone, run_step, script_json, spill_files
 from tests.runtime.test_memory import COMMON
 
 MODEL = textwrap.dedent(
@@ -249,9 +246,7 @@ def test_emptying_lowers_the_measured_heap_as_simulated(spill_dir):
     without it; with it the C heap grows as simulated (within 2%) and stays within the budget."""
     budget = 64 * 2**20
 
-    args = [sys.executable, "-c", MEASURED, str(budget), spill_dir]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
-    found = json.loads(out.stdout.strip().splitlines()[-1])
+    found = script_json(MEASURED, budget, spill_dir)
     assert found["infeasible"] is not None and found["infeasible"] > budget
     assert found["emptied"] > 0 and found["fits"]
     for growth in found["measured"][1:]:
@@ -325,9 +320,7 @@ def test_a_tensor_held_across_forwards_largest_op_goes_out_between_its_reads(spi
     below the floor of the op that runs between the two reads; with the gap emptied, a budget
     below that floor is planned, followed bitwise (one fill a step), and the heap grows as
     simulated within 2%, within the budget."""
-    args = [sys.executable, "-c", GAPPED, spill_dir]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
-    found = json.loads(out.stdout.strip().splitlines()[-1])
+    found = script_json(GAPPED, spill_dir)
     without, with_gaps = found["floors"]
     assert with_gaps < found["budget"] < without, found
     assert len(found["gaps"]) == 1 and found["fits"], found
@@ -429,9 +422,7 @@ UNET = COMMON + textwrap.dedent(
 def test_a_3d_unet_trains_on_disk_under_a_budget_its_held_encoder_outputs_would_break(spill_dir):
     """Without emptying what the code holds, no plan fits this budget; with it the U-Net's steps
     are bitwise, and the C heap grows as simulated (within 2%) and within the budget."""
-    args = [sys.executable, "-c", UNET, spill_dir]
-    out = subprocess.run(args, capture_output=True, text=True, timeout=600, check=True)
-    found = json.loads(out.stdout.strip().splitlines()[-1])
+    found = script_json(UNET, spill_dir)
     assert found["refused"] is not None and found["refused"] > found["budget"], found
     assert found["emptied"] > 0 and found["bitwise"], found
     for growth in found["measured"]:

@@ -2,10 +2,6 @@
 device; traced, simulated, planned, and run bit for bit."""
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -20,7 +16,7 @@ from lms.orchestration.local import local_device_spec
 from lms.planning import plan_greedy
 from lms.planning.candidates import Candidates
 from lms.planning.minimum import smallest_plan
-from tests.conftest import assert_bitwise, run_step, spill_files
+from tests.conftest import assert_bitwise, run_step, script_json, spill_files
 
 MODEL = textwrap.dedent(
     """
@@ -330,15 +326,7 @@ SCRIPT = MODEL + textwrap.dedent(
 
 
 def _measure(folder, model):
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(folder), model],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    return script_json(SCRIPT, folder, model)
 
 
 @pytest.mark.parametrize(

@@ -2,12 +2,11 @@
 simulator predicts the growth of the C heap in use within 2%, recomputed chains and the scratch of
 convolutions on contiguous tensors included."""
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.conftest import script_json
 
 # A channels-last conv stack (one layer: conv, then each of `layer`), its step, and the peak growth
 # of the C heap in use over each of three steps (or ``steps``) under an `LMS`
@@ -253,19 +252,8 @@ RESIDENT = textwrap.dedent(
 )
 
 
-def _run(script, *args):
-    out = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    ).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def test_tuned_plan_keeps_heap_growth_within_budget_and_prediction(tmp_path):
-    result = _run(SCRIPT, "200", str(tmp_path))
+    result = script_json(SCRIPT, "200", str(tmp_path))
     # Offloaded or recomputed, as this machine's measured rates favour: either way the plan
     # moves something to fit.
     assert result["moved"] > 0
@@ -274,7 +262,7 @@ def test_tuned_plan_keeps_heap_growth_within_budget_and_prediction(tmp_path):
 
 
 def test_recomputed_chains_grow_the_heap_as_simulated(tmp_path):
-    result = _run(CHAINS, str(tmp_path))
+    result = script_json(CHAINS, str(tmp_path))
     assert result["chained"] > 0
     steady = max(result["measured"][1:])  # the first step also checks each replay's bits
     assert steady < result["plain"] / 2, result
@@ -282,7 +270,7 @@ def test_recomputed_chains_grow_the_heap_as_simulated(tmp_path):
 
 
 def test_contiguous_convolutions_scratch_is_simulated_and_kept_within_budget(tmp_path):
-    result = _run(SCRATCH, "120", str(tmp_path))
+    result = script_json(SCRATCH, "120", str(tmp_path))
     assert result["offloaded"] > 0
     # The first step also allocates what stays allocated after it (16 MiB here: state PyTorch's
     # convolutions make once).
@@ -312,7 +300,7 @@ def _amx() -> bool:
 def test_half_precision_convolutions_scratch_is_simulated_and_kept_within_budget(tmp_path):
     """Note [Convolution scratch on the CPU]: under bfloat16 autocast the heap grows as simulated,
     with and without a plan (the estimates for single precision fell 9% short of the plain step)."""
-    result = _run(HALF, "70", str(tmp_path))
+    result = script_json(HALF, "70", str(tmp_path))
     assert result["offloaded"] > 0
     for measured, simulated in (("plain", "plain_simulated"), ("measured", "simulated")):
         steady = max(result[measured][1:])
@@ -325,7 +313,7 @@ def test_the_policy_without_a_plan_counts_weights_and_batch_as_simulated(tmp_pat
     moves what `runtime_plan` simulates it moving, and the heap grows no more than simulated
     (before, it counted none of the 28 MiB of weights and batch, moved 6 storages where 8 were
     simulated, and grew 17 MiB past the simulation)."""
-    result = _run(PLANLESS, "160", str(tmp_path))
+    result = script_json(PLANLESS, "160", str(tmp_path))
     assert result["planned"] > 0
     assert result["moved"][1:] == [result["planned"]] * 2, result
     assert max(result["measured"][1:]) <= result["simulated"], result
@@ -334,7 +322,7 @@ def test_the_policy_without_a_plan_counts_weights_and_batch_as_simulated(tmp_pat
 def test_the_heap_holds_the_autograd_graph_beside_the_tensors_as_simulated():
     """Note [The autograd graph on a CPU's heap]: after forward the heap holds the graph beside
     the saved tensors, more than the tensors alone simulate and no more than the spec counts."""
-    result = _run(GRAPH)
+    result = script_json(GRAPH)
     steady = result["measured"][1:]  # the first step also makes what later steps reuse
     assert result["tensors"] < min(steady) <= max(steady) <= result["simulated"], result
 
@@ -345,7 +333,7 @@ def test_a_cpu_budget_holds_for_the_resident_set(tmp_path):
     what the first step maps once outside the heap (code it runs for the first time, thread
     stacks; here up to 20 MiB). With glibc's own setting this step's resident set grew by up to
     237 MiB where the heap grew by 143."""
-    result = _run(RESIDENT, "200", str(tmp_path))
+    result = script_json(RESIDENT, "200", str(tmp_path))
     assert any("holds for this process's resident set" in line for line in result["lines"])
     assert max(result["heap"]) <= result["budget"] - result["held"], result
     assert result["resident"] <= max(result["heap"]) + 32 * 2**20, result

@@ -117,12 +117,12 @@ def emptiable(trace: Trace) -> dict[int, int]:
 # (``fill_at``), with an op between. At ``empty_at`` the runtime waits for the storage's copy out
 # (made when autograd first saved it) and empties it, so that what the plan counts on is free
 # whatever the link's or the disk's pace, and at ``fill_at`` it fills it again in place from that
-# copy, waiting for the read; events of one op's inputs
-# come before its kernel runs, so the storage is full again before the op that reads it. The copy
-# stays for backward. The simulator counts the storage out of device memory between the two, and
-# the step's wait for each read (`lms.analysis.clock.Clock`). Plans made with ``free_held`` have
-# gaps: as there, the trace must have seen every read, and a step that departs from it may read
-# a storage that is empty.
+# copy, waiting for the read; events of one op's inputs come before its kernel runs, so the
+# storage is full again before the op that reads it. The copy stays for backward. The simulator
+# counts the storage out of device memory between the two, and the step's wait for each read
+# (`lms.analysis.clock.Clock`). Only plans made with ``free_held`` have gaps, where none fits
+# without them: as there, the trace must
+# have seen every read, and a step that departs from it may read a storage that is empty.
 def held_gaps(trace: Trace) -> dict[int, tuple[tuple[int, int], ...]]:
     """For each entry, the gaps between forward's reads of it after its save, as ``(empty_at,
     fill_at)`` saved-tensor events, in order (Note [Gaps in what the code holds]); entries

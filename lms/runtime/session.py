@@ -506,6 +506,9 @@ class LMS:
         step.largest_bytes = max(step.largest_bytes, entry.nbytes)
         if step.baseline_bytes is None:
             step.baseline_bytes = self._baseline(step, device)
+            budgeted = self.config.budget_bytes is not None or self.plan is not None
+            if device.type == "cpu" and budgeted and not self._resident_said:
+                self._hold_resident()
         if self._recompute(step, entry, storage):
             self._evict(step)
         elif self._follow.offloads(step, entry):
@@ -552,10 +555,6 @@ class LMS:
             return torch.cuda.memory_allocated(device)
         if device.type != "cpu":
             return 0
-        if (self.config.budget_bytes is not None or self.plan is not None) and (
-            not self._resident_said
-        ):
-            self._hold_resident()
         return sum({**self._keep.host_weights, **(step.first_call or {})}.values())
 
     def _hold_resident(self) -> None:

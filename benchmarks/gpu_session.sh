@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on a lent card, in order: the step records of the seed's cases (gpu.sh truth, at most
-# TRUTH_S seconds), then the GPU tests. What comes back under $OUT: the six records,
-# summary.json and log.txt (both runs' output): eight files at most.
+# TRUTH_S seconds), the GPU tests, then GPT-2 medium without offload and with Hugging Face's
+# gradient checkpointing (the peer of the GPT-2 record). What comes back under $OUT: the seven
+# records and log.txt, which holds everything printed and the truth's summary.json (eight files,
+# the most a call brings back).
 #
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
@@ -17,7 +19,15 @@ fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__)"
-  LMS_RESULTS=$out TRUTH_S=${TRUTH_S:-300} bash benchmarks/gpu.sh truth
-  timeout "${TESTS_S:-200}" python3 -m pytest tests/gpu -q -p no:cacheprovider
+  LMS_RESULTS=$out TRUTH_S=${TRUTH_S:-360} timeout "$((${TRUTH_S:-360} + 60))" \
+    bash benchmarks/gpu.sh truth
+  echo "== summary.json"
+  cat "$out/summary.json" && rm "$out/summary.json"
+  echo "== pytest tests/gpu"
+  timeout "${TESTS_S:-90}" python3 -m pytest tests/gpu -q -p no:cacheprovider
+  echo "== GPT-2 medium peers"
+  PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout "${PEERS_S:-70}" python3 -m lms -q bench \
+    --model gpt2 --sizes 1024 --batch-size 12 --methods none,hf_checkpoint --steps 3 \
+    --time-limit "$((${PEERS_S:-70} - 30))" --json /dev/stdout
 } > "$out/log.txt" 2>&1
-tail -60 "$out/log.txt"
+tail -80 "$out/log.txt"

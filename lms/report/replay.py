@@ -77,6 +77,10 @@ class Replay:
     predicted_overlap: float
     measured_wait_s: float
     predicted_wait_s: float
+    measured_idle_s: float
+    """Time in the step when no op ran and the step waited for no copy: on a card, the compute
+    stream stood idle because the host queued ops slower than the card ran them (the framework's,
+    the hooks' and a recorder's own time per op); on a CPU, that host time itself."""
     measured_peak_bytes: int
     """What the step started with (the trace's weights, buffers and batch) plus the most it
     added: on a card, to its allocation; on a CPU, to the C heap in use."""
@@ -142,6 +146,11 @@ def replay(record: StepRecord, *, step: int | None = None) -> Replay:
         predicted_overlap=_overlap(sim_copies, sim_compute),
         measured_wait_s=sum(w.end_s - w.start_s for w in times.waits),
         predicted_wait_s=predicted.wait_s,
+        measured_idle_s=max(
+            times.step_s
+            - _total(_merged([(op.start_s, op.end_s) for op in times.ops] + _waits(times))),
+            0.0,
+        ),
         measured_peak_bytes=before + times.growth_bytes,
         predicted_peak_bytes=predicted_peak,
         matched_ops=matched,
@@ -173,7 +182,7 @@ def _op_times(record: StepRecord, times: StepTimes) -> tuple[list[float | None],
     model's ops the step ran. Autograd runs some of the model's views inside the runtime's
     hooks; those stay unmatched, priced by the rates, and their time counts towards the next
     matched op."""
-    waits = sorted((w.start_s, w.end_s) for w in times.waits)
+    waits = sorted(_waits(times))
     replays = [(op.start_s, op.end_s) for op in times.ops if op.section == "replay"]
     ran = [op for op in times.ops if op.section == "step" and op.name not in SKIPPED_OPS]
     names = [op.name for op in record.trace.ops]
@@ -207,14 +216,23 @@ def _overlap(
     total = _total(copies)
     if total <= 0:
         return 0.0
+    spans = _merged(compute)
+    return sum(_within(spans, a, b) for a, b in copies) / total
+
+
+def _merged(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` with those that overlap joined, in order."""
     merged: list[list[float]] = []
-    for a, b in sorted(compute):
+    for a, b in sorted(spans):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    spans = [(a, b) for a, b in merged]
-    return sum(_within(spans, a, b) for a, b in copies) / total
+    return [(a, b) for a, b in merged]
+
+
+def _waits(times: StepTimes) -> list[tuple[float, float]]:
+    return [(w.start_s, w.end_s) for w in times.waits]
 
 
 def _simulated_copies(clock: Clock) -> list[tuple[float, float]]:
@@ -262,6 +280,15 @@ def format_replay(result: Replay) -> str:
         row("peak", result.measured_peak_bytes, result.predicted_peak_bytes, "bytes"),
         f"  copies overlapping ops: {100 * result.measured_overlap:.0f}% measured, "
         f"{100 * result.predicted_overlap:.0f}% replayed",
+        f"  between ops: {result.measured_idle_s:.4f} s "
+        f"({100 * result.measured_idle_s / result.measured_step_s:.0f}% of the step), "
+        + (
+            "the card idle while the host queued the next op"
+            if result.clock == "cuda-events"
+            else "the host's own time between ops"
+        )
+        if result.measured_step_s > 0
+        else "",
         f"[LMS] The plan predicted {result.planned_step_s:.4f} s against a no-offload step of "
         f"{result.base_step_s:.4f} s; floor {result.floor_s:.4f} s (the larger of the link's time "
         "for the bytes it moves and the kernels'); measured "

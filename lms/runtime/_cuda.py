@@ -208,6 +208,19 @@ class CopyEngine:
         torch.cuda.current_stream(self.device).wait_event(event)
 
 
+def allocator_bytes(device: torch.device) -> tuple[int, int]:
+    """The bytes the caching allocator holds in tensors and has reserved on ``device`` now, from
+    one read of its statistics: `torch.cuda.memory_allocated` and `torch.cuda.memory_reserved`
+    each read the whole table and flatten and sort it, host time that a step record, which asks
+    at every op, must not add to the step (Note [One clock for a step record])."""
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    if not stats:  # the allocator not initialized yet
+        return 0, 0
+    return int(stats["allocated_bytes"]["all"]["current"]), int(
+        stats["reserved_bytes"]["all"]["current"]
+    )
+
+
 def timing_event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
     """A timing event recorded now on ``stream`` (the current one by default): a mark on the
     card's own clock for a step record (`lms.runtime.steplog`)."""

@@ -10,6 +10,11 @@ On a CPU, and for spill files' reads and writes on their I/O thread, the clock i
 clock, taken at the step's start after the card synchronized, so both clocks start together. Ops
 are seen by a dispatch mode on the step's thread (and on autograd's, which inherits it); the
 runtime's own ops inside its hooks are marked ``runtime``, recomputations ``replay``.
+
+What the recorder does at each op is host time the step did not have unrecorded, and where the
+card runs ops faster than the host queues them it shows as the card idle between ops
+(`lms.report.replay.Replay.measured_idle_s`). So an op costs two events and one read of the
+allocator's statistics, and nothing else until the step ends.
 """
 
 from __future__ import annotations
@@ -54,16 +59,16 @@ class StepLog:
         self._number = 0
         self._start_bytes = 0
         self._counters: dict[str, float] = {}
-
-    # -- marks ---------------------------------------------------------------------------------
-    def mark(self) -> Any:
+        self._memory: Callable[[], tuple[int, int]] = _heap_bytes
+        self.mark: Callable[[], Any] = time.perf_counter
         """Now, on the step's clock: a CUDA event on the current stream, or the wall clock."""
         if self.cuda:
-            from lms.runtime._cuda import timing_event
+            from lms.runtime._cuda import allocator_bytes, timing_event
 
-            return timing_event()
-        return time.perf_counter()
+            self._memory = functools.partial(allocator_bytes, device)
+            self.mark = timing_event
 
+    # -- marks ---------------------------------------------------------------------------------
     def _seconds(self, mark: Any) -> float:
         if isinstance(mark, float):
             return mark - self._wall0
@@ -203,11 +208,7 @@ class StepLog:
             self._waits.append((ordinal, start, end))
 
     def _note_op(self, name: str, start: Any, end: Any) -> None:
-        if self.cuda:
-            allocated = torch.cuda.memory_allocated(self.device)
-            reserved = torch.cuda.memory_reserved(self.device)
-        else:  # the resident set is left out: reading it costs each op as much again
-            allocated, reserved = heap_in_use_bytes() or 0, 0
+        allocated, reserved = self._memory()
         self._ops.append((name, self._section, in_backward(), start, end, allocated, reserved))
 
 
@@ -224,6 +225,12 @@ class _OpTimer(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         log._note_op(_name(func), start, log.mark())
         return out
+
+
+def _heap_bytes() -> tuple[int, int]:
+    """The C heap in use, and no reserve: the resident set is left out, since reading it costs
+    each op as much again."""
+    return heap_in_use_bytes() or 0, 0
 
 
 @functools.cache

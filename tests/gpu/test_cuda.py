@@ -497,9 +497,12 @@ def test_a_step_record_on_cuda_times_ops_copies_and_waits_on_the_cards_clock(
 
     trace = trace_step(model, [x], step, device=torch.device("cuda"))
     plain = simulate(trace, None, local_device_spec(torch.device("cuda"))).peak_bytes
+    with pytest.raises(lms.PlanInfeasibleError) as info:  # the floor, the workspace margin in it
+        lms.LMS(budget=1).tune(model, [x], step)
     ref = run_step(model, (x,))
-    offload = lms.LMS(budget=int(0.6 * plain), tier="host")
+    offload = lms.LMS(budget=(info.value.min_budget_bytes + plain) // 2, tier="host")
     offload.tune(model, [x], step)
+    assert offload.plan.offload
     offload.record_steps()
     for _ in range(3):
         assert_bitwise(ref, run_step(model, (x,), offload))
@@ -545,7 +548,9 @@ def test_a_refused_registration_leaves_no_error_for_pytorch():
 def test_gaps_in_what_the_code_holds_are_bitwise_on_cuda(deterministic_cudnn, spill_dir, tier):
     """Note [Gaps in what the code holds]: a budget between the floors without and with gaps, so
     the plan must empty the stem's output between its two reads and fill it again."""
-    from tests.runtime.test_free_held import GAPPED_NET, _square_step
+    from lms.analysis import trace_step
+    from lms.orchestration.local import local_device_spec
+    from tests.runtime.test_free_held import GAPPED_NET, _square_step, gap_floors
 
     namespace: dict = {}
     exec(GAPPED_NET, {"torch": torch}, namespace)
@@ -553,11 +558,11 @@ def test_gaps_in_what_the_code_holds_are_bitwise_on_cuda(deterministic_cudnn, sp
     model, x = namespace["Net"]().cuda(), torch.randn(1, 3, 1024, 1024, device="cuda")
     reference = namespace["Net"]().cuda()
     reference.load_state_dict(model.state_dict())
-    with pytest.raises(lms.PlanInfeasibleError) as info:
-        lms.LMS(budget=1, free_held=True).tune(model, [x], _square_step)
-    offload = lms.LMS(
-        budget=info.value.min_budget_bytes + 2**20, tier=tier, spill_dir=spill_dir, free_held=True
-    )
+    trace = trace_step(model, [x], _square_step, device=torch.device("cuda"))
+    spec = local_device_spec(torch.device("cuda"))
+    floors = gap_floors(trace, spec)
+    assert floors[1] < floors[0], floors  # the gap lowers the floor on this card too
+    offload = lms.LMS(budget=sum(floors) // 2, tier=tier, spill_dir=spill_dir, free_held=True)
     plan = offload.tune(model, [x], _square_step)
     assert plan.held_gaps
     for step in range(1, 4):

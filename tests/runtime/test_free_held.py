@@ -330,6 +330,16 @@ def test_a_tensor_held_across_forwards_largest_op_goes_out_between_its_reads(spi
         assert found["before"] + growth <= found["budget"], found
 
 
+def gap_floors(trace, spec) -> list[int]:
+    """The smallest budgets a plan with free_held fits, without gaps and with them."""
+    floors = []
+    for gaps in (False, True):
+        with pytest.raises(lms.PlanInfeasibleError) as refused:
+            smallest_plan(Candidates(trace, spec, 1, free_held=True, gaps=gaps))
+        floors.append(refused.value.min_budget_bytes)
+    return floors
+
+
 def _square_step(model, batch):
     loss = model(*batch).float().square().mean()
     loss.backward()
@@ -350,11 +360,7 @@ def test_gaps_are_planned_only_where_nothing_fits_without_and_said(spill_dir):
     reference = run_step(model, [x])
     trace = trace_step(model, [x], _square_step, device="cpu")  # as run_step's
     spec = local_device_spec(torch.device("cpu"))
-    floors = []
-    for gaps in (False, True):
-        with pytest.raises(lms.PlanInfeasibleError) as refused:
-            smallest_plan(Candidates(trace, spec, 1, free_held=True, gaps=gaps))
-        floors.append(refused.value.min_budget_bytes)
+    floors = gap_floors(trace, spec)
     assert floors[1] < floors[0]
     roomy = plan_auto(trace, spec, floors[0] + 2**20, free_held=True)
     assert not roomy.held_gaps  # fits without: no read back in forward

@@ -7,7 +7,8 @@
 #
 #   OUT=/tmp/out bash benchmarks/gpu_session.sh
 #
-# Packages the card's image lacks (MONAI, for the 3D U-Net) travel as wheels in .whl/.
+# Packages the card's image lacks travel as wheels in .whl/: platformdirs (a dependency of lms;
+# without it every tune fails) and MONAI (the 3D U-Net).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:?set OUT to the folder that comes back}
@@ -28,6 +29,7 @@ fi
   echo "== GPT-2 medium peers"
   PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout "${PEERS_S:-70}" python3 -m lms -q bench \
     --model gpt2 --sizes 1024 --batch-size 12 --methods none,hf_checkpoint --steps 3 \
-    --time-limit "$((${PEERS_S:-70} - 30))" --json /dev/stdout
+    --time-limit "$((${PEERS_S:-70} - 30))" --json /tmp/peers.json
+  cat /tmp/peers.json  # not --json /dev/stdout: opening it for writing would empty this log
 } > "$out/log.txt" 2>&1
 tail -80 "$out/log.txt"

@@ -6,9 +6,12 @@ Hugging Face GPT-2 medium (hidden 1024, 16 heads, batch 12, sequence 1024, fp32,
 (32 layers, hidden 4096, 32 heads with 8 KV heads, intermediate 14336, sequence 8192, batch 1,
 bfloat16 autocast) at 70%. Random weights, built under fake tensors: nothing is downloaded and
 no real memory is taken. Each case runs three times; writes the medians and each run's total
-as JSON.
+as JSON. ``--planner milp`` plans with the mixed-integer program (`lms.planning.milp`) in place
+of `plan_auto`, on the same traces.
 
     .venv/bin/python benchmarks/tune_time.py [--out benchmarks/results/tune_time_cpu.json]
+    .venv/bin/python benchmarks/tune_time.py --planner milp \
+        --out benchmarks/results/tune_time_milp_cpu.json
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from lms.analysis import device_spec, simulate, trace_step
 from lms.planning import plan_auto
 from lms.planning.blocks import repeats
+from lms.planning.milp import plan_milp
 
 REPEATS = 3
 """Each model is traced and planned this many times; the medians are reported, with every
@@ -46,18 +50,30 @@ def _half_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return out.loss
 
 
-def _case(name: str, build: Any, ids: torch.Tensor, step: Any, fraction: float, half: bool):
+PLANNERS = {"auto": plan_auto, "milp": plan_milp}
+
+
+def _case(
+    name: str,
+    build: Any,
+    ids: torch.Tensor,
+    step: Any,
+    fraction: float,
+    half: bool,
+    planner: str = "auto",
+    runs: int = REPEATS,
+):
     spec = device_spec("h100")
     traced, planned = [], []
     autocast = torch.bfloat16 if half else None
-    for _ in range(REPEATS):
+    for _ in range(runs):
         start = time.perf_counter()
         trace = trace_step(build, [ids], step, device="cpu", autocast=autocast)
         traced.append(time.perf_counter() - start)
         plain = simulate(trace, None, spec, half=half)
         budget = int(plain.peak_bytes * fraction)
         start = time.perf_counter()
-        plan = plan_auto(trace, spec, budget, half=half)
+        plan = PLANNERS[planner](trace, spec, budget, half=half)
         planned.append(time.perf_counter() - start)
     tuned = sorted(t + p for t, p in zip(traced, planned, strict=True))
     row = {
@@ -90,9 +106,15 @@ def _case(name: str, build: Any, ids: torch.Tensor, step: Any, fraction: float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="benchmarks/results/tune_time_cpu.json")
+    parser.add_argument("--planner", choices=sorted(PLANNERS), default="auto")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="runs of each case")
+    parser.add_argument("--models", default="gpt2-medium-12,gpt2-medium-24,gpt2-medium-48,llama")
     args = parser.parse_args()
+    wanted = set(args.models.split(","))
     rows = []
     for layers in (12, 24, 48):
+        if f"gpt2-medium-{layers}" not in wanted:
+            continue
         config = GPT2Config(n_layer=layers, n_embd=1024, n_head=16, n_positions=1024)
         ids = torch.randint(0, config.vocab_size, (12, 1024))
         rows.append(
@@ -103,6 +125,8 @@ def main() -> None:
                 _lm_step,
                 0.6,
                 False,
+                args.planner,
+                args.repeats,
             )
         )
     llama = LlamaConfig(
@@ -115,12 +139,23 @@ def main() -> None:
         vocab_size=128256,
     )
     ids = torch.randint(0, llama.vocab_size, (1, 8192))
-    rows.append(
-        _case("llama-3-8b-shape", lambda: LlamaForCausalLM(llama), ids, _half_step, 0.7, True)
-    )
+    if "llama" in wanted:
+        rows.append(
+            _case(
+                "llama-3-8b-shape",
+                lambda: LlamaForCausalLM(llama),
+                ids,
+                _half_step,
+                0.7,
+                True,
+                args.planner,
+                args.repeats,
+            )
+        )
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
         "spec": "h100-80gb",
+        "planner": args.planner,
         "rows": rows,
     }
     with open(args.out, "w") as handle:

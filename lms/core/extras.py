@@ -14,6 +14,7 @@ EXTRAS = {
     "matplotlib": "plot",
     "lightning": "lightning",
     "transformers": "transformers",
+    "scipy": "solver",
 }
 """The extra that installs each optional package."""
 

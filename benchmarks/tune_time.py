@@ -152,13 +152,18 @@ def main() -> None:
                 args.repeats,
             )
         )
+    write_rows(args.out, "h100-80gb", rows, planner=args.planner)
+
+
+def write_rows(path: str, spec: str, rows: list[dict[str, Any]], **extra: Any) -> None:
+    """Write a planning benchmark's rows as JSON, with the machine and the spec."""
     result = {
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
-        "spec": "h100-80gb",
-        "planner": args.planner,
+        "spec": spec,
+        **extra,
         "rows": rows,
     }
-    with open(args.out, "w") as handle:
+    with open(path, "w") as handle:
         json.dump(result, handle, indent=1)
 
 

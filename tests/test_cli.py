@@ -44,12 +44,15 @@ def test_version_names_lms_and_torch():
     assert done.returncode == 0 and done.stdout.startswith("lms ") and "torch" in done.stdout
 
 
-def test_quiet_turns_the_progress_bars_off():
+def test_quiet_turns_the_progress_bars_off(capfd, monkeypatch):
     argv = ["train", "--model", "tinylm", "--seq-len", "32", "--steps", "1", "--no-lms"]
-    loud = _lms(*argv)
-    quiet = _lms("-q", *argv)
-    assert loud.returncode == quiet.returncode == 0, quiet.stderr
-    assert "step/s" in loud.stderr and "step/s" not in quiet.stderr
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    assert main(argv) == 0
+    loud = capfd.readouterr().err
+    assert main(["-q", *argv]) == 0  # sets TQDM_DISABLE for the processes it starts
+    quiet = capfd.readouterr().err
+    monkeypatch.delenv("TQDM_DISABLE")
+    assert "step/s" in loud and "step/s" not in quiet
 
 
 def test_every_option_has_help_and_the_exit_codes_are_in_it():

@@ -16,10 +16,12 @@ simulator:
 - Time. A recomputed storage costs the forward ops of its replay, at the spec's op times. An
   offloaded one costs nothing while the link keeps up: for each of a number of windows of
   forward, what is saved from there on must leave over the link in the time forward has left,
-  and for each window of backward, what is read back up to there must arrive in the time
-  backward has run; what does not fit is time the step waits, one variable for each direction,
-  added to the cost. Each copy is also charged a small share of its time (`MOVE_SHARE`), since
-  copies hide only in part and the program would otherwise move all the link has room for.
+  and for each run of windows of backward, what it reads back must arrive between the end of
+  that run and `LOOKAHEAD` windows before its start (the runtime prefetches a few storages
+  ahead, not from backward's start); what does not fit is time the step waits, one variable for
+  each direction, added to the cost. Each copy is also charged a small share of its time
+  (`MOVE_SHARE`), since copies hide only in part and the program would otherwise move all the
+  link has room for.
 
 A recomputed storage's inputs are not recomputed, unless its recipe may replay them in the same
 chain. The simulator then runs the plan: where its peak passes the budget, the program is solved
@@ -55,6 +57,9 @@ __all__ = ["plan_milp"]
 log = logging.getLogger("lms.planning")
 
 WINDOWS = 16
+LOOKAHEAD = 1
+"""Windows of backward ahead of its reads that a copy in may start: the runtime prefetches a few
+storages ahead, not from backward's start."""
 """Windows of forward, and of backward, each with its own row for the link (Note [The choice as a
 mixed-integer program])."""
 
@@ -312,10 +317,14 @@ class _Program:
                 row[out_wait] = -1.0
                 rows.append((row, -numpy.inf, forward_end - float(self.starts[op])))
         ops = len(self.base)
-        for op in numpy.linspace(self.backward_op, ops, WINDOWS + 1)[1:].astype(int):
-            read = numpy.nonzero(self.used_at <= op)[0]
-            if len(read):
-                row = {off + int(i): costs.copy_in_s(spec, int(self.sizes[i])) for i in read}
-                row[in_wait] = -1.0
-                rows.append((row, -numpy.inf, float(self.starts[min(op, ops)]) - forward_end))
+        edges = numpy.linspace(self.backward_op, ops, WINDOWS + 1).astype(int)
+        for first in range(WINDOWS):  # the reads of windows first to last
+            begin = float(self.starts[edges[max(first - LOOKAHEAD, 0)]])
+            after = edges[first] if first else -1
+            for last in range(first, WINDOWS):
+                read = numpy.nonzero((self.used_at > after) & (self.used_at <= edges[last + 1]))[0]
+                if len(read):
+                    row = {off + int(i): costs.copy_in_s(spec, int(self.sizes[i])) for i in read}
+                    row[in_wait] = -1.0
+                    rows.append((row, -numpy.inf, float(self.starts[edges[last + 1]]) - begin))
         return rows

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One call on a lent card, in order: the step records of the seed's cases (gpu.sh truth, at most
-# TRUTH_S seconds), the GPU tests, then GPT-2 medium without offload and with Hugging Face's
+# One call on a lent card, in order: an unrecorded step to set the records' cost against, the
+# step records of the seed's cases (gpu.sh truth, at most TRUTH_S seconds), the GPU tests, then GPT-2 medium without offload and with Hugging Face's
 # gradient checkpointing (the peer of the GPT-2 record). What comes back under $OUT: the seven
 # records and log.txt, which holds everything printed and the truth's summary.json (eight files,
 # the most a call brings back).
@@ -20,6 +20,10 @@ fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__)"
+  echo "== the recorder's cost: ResNet50 at 4000 px without offload, unrecorded (the truth's"
+  echo "== first case records the same step)"
+  PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 60 python3 -m lms -q train --model resnet50 \
+    --image-size 4000 --no-lms --steps 3 --json /tmp/plain.json && cat /tmp/plain.json
   LMS_RESULTS=$out TRUTH_S=${TRUTH_S:-360} timeout "$((${TRUTH_S:-360} + 60))" \
     bash benchmarks/gpu.sh truth
   echo "== summary.json"

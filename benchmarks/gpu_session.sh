@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent card, in order: an unrecorded step to set the records' cost against, the
-# step records of the seed's cases (gpu.sh truth, at most TRUTH_S seconds), the GPU tests, then GPT-2 medium without offload and with Hugging Face's
-# gradient checkpointing (the peer of the GPT-2 record). What comes back under $OUT: the seven
+# step records of the seed's cases (gpu.sh truth, at most TRUTH_S seconds), the GPU tests, then
+# GPT-2 medium without offload and with Hugging Face's gradient checkpointing (the peer of the
+# GPT-2 record). What comes back under $OUT: the seven
 # records and log.txt, which holds everything printed and the truth's summary.json (eight files,
 # the most a call brings back).
 #

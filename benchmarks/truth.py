@@ -27,7 +27,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name, model, size, batch, steps, extra arguments (a budget as a share of the plain peak: "60%").
+# name, model, size, batch, steps, extra arguments (a budget may be a share of the step's simulated
+# peak without offload: "60%").
 # The image and volume cases run on the card capped at 32 GiB, as the seed's V100; GPT-2 medium's
 # budget, 60% of its plain peak (about 64 GB), is its own cap. The 3D U-Net at 368^3 is 3.6 times
 # the voxels of the largest that fits 32 GiB without offload (240^3).
@@ -57,32 +58,8 @@ CAP = (
 )
 
 
-def _plain_peak(model: str, size: int, batch: int) -> int:
-    """The simulated peak of the step without offload on this device."""
-    from lms.analysis import simulate, trace_step
-    from lms.harness.zoo import zoo_model
-    from lms.orchestration.local import local_device_spec
-
-    entry = zoo_model(model)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    module = entry.build().to(device)
-    inputs = [t.to(device) for t in entry.make_batch(size, batch)]
-    if entry.unit == "pixels":
-        module = module.to(memory_format=torch.channels_last)
-        inputs[0] = inputs[0].contiguous(memory_format=torch.channels_last)
-    trace = trace_step(module, inputs, entry.step_fn, device=device)
-    return simulate(trace, None, local_device_spec(device)).peak_bytes
-
-
 def _arguments(case: tuple, out: str) -> list[str]:
     name, model, size, batch, steps, extra = case
-    extra = list(extra)
-    if "--budget" in extra:
-        at = extra.index("--budget") + 1
-        if extra[at].endswith("%"):
-            share = float(extra[at][:-1]) / 100
-            extra[at] = str(int(share * _plain_peak(model, size, batch)))
     size_flag = "--seq-len" if model in ("tinylm", "gpt2", "llama") else "--image-size"
     return [
         "-q",

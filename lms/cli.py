@@ -325,7 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="train under LMS (--no-lms: plain PyTorch, to compare)",
     )
-    train.add_argument("--budget", default=None, help="device memory for the step, e.g. 32GiB")
+    train.add_argument(
+        "--budget",
+        default=None,
+        help="device memory for the step, e.g. 32GiB, or a share of its simulated peak without "
+        "offload, e.g. 60%%",
+    )
     train.add_argument(
         "--tier",
         default="auto",

@@ -112,6 +112,30 @@ def test_cli_train_infeasible_budget_fails_before_training(capsys):
     assert "raise the budget" in capsys.readouterr().err
 
 
+def test_a_budget_can_be_a_share_of_the_simulated_plain_peak():
+    """``--budget 60%``: that share of the step's peak without offload, as simulated on the
+    device it trains on; here below TinyLM's floor, so refused before training, naming it."""
+    from lms.analysis import simulate
+    from lms.core.errors import PlanInfeasibleError
+    from lms.core.units import format_bytes
+    from lms.orchestration.local import local_device_spec
+
+    entry = ZOO["tinylm"]
+    torch.manual_seed(0)
+    model, batch = entry.build(), list(entry.make_batch(512, 1))
+    trace = trace_step(model, batch, entry.step_fn, device="cpu")
+    peak = simulate(trace, None, local_device_spec(torch.device("cpu"))).peak_bytes
+    with pytest.raises(PlanInfeasibleError) as refused:
+        train("tinylm", size=512, steps=1, budget="60%", progress=False)
+    assert f"budget {format_bytes(int(0.6 * peak))} is below" in str(refused.value)
+
+
+@pytest.mark.parametrize("budget", ["0%", "150%", "sixty%"])
+def test_a_share_outside_the_peak_is_refused_before_any_work(budget):
+    with pytest.raises(ValueError, match="not a share of the peak"):
+        train("tinylm", size=512, steps=1, budget=budget, progress=False)
+
+
 @pytest.mark.parametrize(
     ("per_s", "unit", "text"),
     [

@@ -123,6 +123,51 @@ def _nothing() -> Iterator[None]:
     yield
 
 
+def budget_share(budget: int | str | None) -> float | None:
+    """The share of the step's peak a budget such as ``"60%"`` asks for; None for any other.
+
+    Raises:
+        ValueError: a percent outside (0, 100].
+    """
+    if not isinstance(budget, str) or not budget.strip().endswith("%"):
+        return None
+    try:
+        fraction = float(budget.strip()[:-1]) / 100
+    except ValueError:
+        fraction = float("nan")
+    if not 0 < fraction <= 1:
+        raise ValueError(
+            f"lms: budget={budget!r} is not a share of the peak; use a percent in (0, 100], "
+            "e.g. '60%', or a size such as '32GiB'"
+        )
+    return fraction
+
+
+def share_of_plain_peak(
+    fraction: float,
+    model: torch.nn.Module,
+    batch: Sequence[torch.Tensor],
+    step_fn: Callable[..., Any],
+    device: torch.device,
+    autocast: torch.dtype | None = None,
+) -> int:
+    """Bytes of ``fraction`` of the step's peak without offload, as the simulator predicts that
+    peak on ``device`` from a trace under fake tensors."""
+    from lms.analysis import trace_step
+    from lms.orchestration.local import local_device_spec
+
+    trace = trace_step(model, list(batch), step_fn, device=device, autocast=autocast)
+    peak = simulate(trace, None, local_device_spec(device), half=autocast is not None).peak_bytes
+    budget = int(fraction * peak)
+    log.info(
+        "[LMS] budget %.0f%% of the step's peak without offload (%s, simulated): %s",
+        100 * fraction,
+        format_bytes(peak),
+        format_bytes(budget),
+    )
+    return budget
+
+
 def train(
     model_name: str,
     *,
@@ -144,23 +189,26 @@ def train(
 ) -> TrainResult:
     """Train ``steps`` steps of a zoo model and measure them. With method "lms", tensors saved
     inside the submodules named in ``keep_in`` ("layer4") stay on the device (`no_offload_in`);
-    ``free_held`` is `lms.LMSConfig.free_held`. ``memory_snapshot``: a file for the CUDA
-    allocator's history of the steps, written when they end or fail (pytorch.org/memory_viz
+    ``free_held`` is `lms.LMSConfig.free_held`. ``budget`` may be a share of the step's peak
+    without offload on this device, as simulated: ``"60%"``. ``memory_snapshot``: a file for the
+    CUDA allocator's history of the steps, written when they end or fail (pytorch.org/memory_viz
     opens it, as it opens the simulator's `lms.export_memory_viz`). ``record``: a file for the
     step record of every step (`lms.LMS.record_steps`; `lms replay` reads it), with method
     "lms" and a budget, or method "none" (its trace and op times taken as a plan's would be).
 
     Raises:
         PlanInfeasibleError: with method "lms", before training, when the budget cannot fit.
-        ValueError: an unknown method, fewer than one step, a size below 1, a batch below the
-            model's smallest, a name in ``keep_in`` that is not one of the model's
-            submodules, or a memory snapshot asked of a device other than CUDA.
+        ValueError: an unknown method, fewer than one step, a size below 1, a share of the peak
+            outside (0%, 100%], a batch below the model's smallest, a name in ``keep_in`` that
+            is not one of the model's submodules, or a memory snapshot asked of a device other
+            than CUDA.
         StepFailedError: the model's step raised, traced or in its first real step (ResNet50
             at 32 px and batch 1, say: its last batch norm then sees one value per channel).
     """
     if method not in METHODS:
         raise ValueError(f"lms: method={method!r} is not one of {', '.join(METHODS)}")
     check_counts(steps=steps, size=size)
+    share = budget_share(budget) if method == "lms" else None
     entry: ZooModel = zoo_model(model_name)
     entry.check_batch(batch_size)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -185,6 +233,8 @@ def train(
     autocast = torch.bfloat16 if amp else None
     offload: LMS | None = None
     if method == "lms":
+        if share is not None:
+            budget = share_of_plain_peak(share, model, batch, step_fn, target, autocast)
         offload = LMS(
             budget=budget, tier=tier, host_budget=host_budget, model=model, free_held=free_held
         )

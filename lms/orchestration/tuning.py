@@ -23,6 +23,8 @@ from lms.core.units import format_bytes
 from lms.core.version import __version__
 from lms.orchestration.cache import cache_folder, cache_path, load_cached, planner_code, save_plan
 from lms.orchestration.local import local_device_spec, with_local_timings
+from lms.planning.candidates import Candidates
+from lms.planning.minimum import smallest_plan
 
 __all__ = ["TunedStep", "check_offload_room", "tune_plan", "tune_step"]
 
@@ -114,6 +116,7 @@ def tune_step(
     if loaded is not None:
         plan = loaded
     else:
+        _refuse_below_floor(trace, spec, budget, half=half, free_held=free_held)
         spec = with_local_timings(spec, trace, device, budget)
         if trace.compiled:
             log.info(
@@ -199,3 +202,18 @@ def check_offload_room(
             len(plan.spill),
             format_bytes(result.disk_peak_bytes),
         )
+
+
+def _refuse_below_floor(
+    trace: Trace, spec: DeviceSpec, budget: int, *, half: bool, free_held: bool
+) -> None:
+    """Raise the planner's `PlanInfeasibleError` for a budget below the least any plan needs,
+    before the step's ops are timed: that floor is the memory of every saved tensor out, copies
+    waited for, which no op's time moves.
+
+    Raises:
+        PlanInfeasibleError: ``budget`` is below the floor.
+    """
+    candidates = Candidates(trace, spec, budget, half, free_held=free_held, gaps=free_held)
+    if not candidates.fits(candidates.run(None)):
+        smallest_plan(candidates)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One call on a lent card, in order: an unrecorded step to set the records' cost against, the
-# step records of the seed's cases (gpu.sh truth, at most TRUTH_S seconds), the GPU tests, then
-# GPT-2 medium without offload and with Hugging Face's gradient checkpointing (the peer of the
-# GPT-2 record). What comes back under $OUT: the seven
+# One call on a lent card (at most about 600 s), in order: an unrecorded step to set the records'
+# cost against, the step records of the seed's cases (gpu.sh truth, at most TRUTH_S seconds),
+# the GPU tests, then GPT-2 medium under LMS unrecorded, without offload and with Hugging Face's
+# gradient checkpointing. What comes back under $OUT: the seven
 # records and log.txt, which holds everything printed and the truth's summary.json (eight files,
 # the most a call brings back).
 #
@@ -18,23 +18,31 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
+lms=(env "PYTHONPATH=$PWD:${PYTHONPATH:-}" python3 -m lms)  # under timeout, as a command
+said() {  # the figures of a `lms train --json` file
+  python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in
+    ('model', 'method', 'size', 'batch_size', 'step_s', 'peak_bytes')})" "$1"
+}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__)"
   echo "== the recorder's cost: ResNet50 at 4000 px without offload, unrecorded (the truth's"
   echo "== first case records the same step)"
-  PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 60 python3 -m lms -q train --model resnet50 \
-    --image-size 4000 --no-lms --steps 3 --json /tmp/plain.json && cat /tmp/plain.json
-  LMS_RESULTS=$out TRUTH_S=${TRUTH_S:-360} timeout "$((${TRUTH_S:-360} + 60))" \
+  timeout 60 "${lms[@]}" -q train --model resnet50 --image-size 4000 --no-lms --steps 3 \
+    --json /tmp/plain.json && said /tmp/plain.json
+  LMS_RESULTS=$out TRUTH_S=${TRUTH_S:-260} timeout "$((${TRUTH_S:-260} + 40))" \
     bash benchmarks/gpu.sh truth
   echo "== summary.json"
   cat "$out/summary.json" && rm "$out/summary.json"
   echo "== pytest tests/gpu"
-  timeout "${TESTS_S:-90}" python3 -m pytest tests/gpu -q -p no:cacheprovider
+  timeout "${TESTS_S:-90}" python3 -m pytest tests/gpu -q -rf -p no:cacheprovider
+  echo "== GPT-2 medium under LMS at 60% of its simulated peak, unrecorded"
+  timeout 80 "${lms[@]}" -q train --model gpt2 --seq-len 1024 --batch-size 12 --budget 60% \
+    --steps 3 --json /tmp/gpt2.json && said /tmp/gpt2.json
   echo "== GPT-2 medium peers"
-  PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout "${PEERS_S:-70}" python3 -m lms -q bench \
-    --model gpt2 --sizes 1024 --batch-size 12 --methods none,hf_checkpoint --steps 3 \
-    --time-limit "$((${PEERS_S:-70} - 30))" --json /tmp/peers.json
+  timeout "${PEERS_S:-70}" "${lms[@]}" -q bench --model gpt2 --sizes 1024 --batch-size 12 \
+    --methods none,hf_checkpoint --steps 3 --time-limit "$((${PEERS_S:-70} - 30))" \
+    --json /tmp/peers.json
   cat /tmp/peers.json  # not --json /dev/stdout: opening it for writing would empty this log
 } > "$out/log.txt" 2>&1
 tail -80 "$out/log.txt"

@@ -117,6 +117,8 @@ class Clock:
         """Their gaps in forward, ``(empty_at, fill_at)`` events (`Plan.held_gaps`)."""
         self.gap_spans: dict[int, list[tuple[float, float]]] = {}
         """For each, when each gap emptied it and when its fill began (gaps that emptied it)."""
+        self.fills: list[tuple[int, float, float]] = []
+        """Each fill's copy in: ordinal, start, end."""
         self.allowance = (
             allowance(trace, plan.budget_bytes)
             if plan is not None and plan.budget_bytes is not None
@@ -333,11 +335,14 @@ class Clock:
         emptied, _ = self.gap_spans[ordinal][-1]
         begin = self.now
         if ordinal in self.spill:
-            self.disk_free = max(self.now, self.disk_free) + costs.spill_read_s(self.spec, size)
+            start = max(self.now, self.disk_free)
+            self.disk_free = start + costs.spill_read_s(self.spec, size)
             self._wait_until(self.disk_free + costs.copy_in_s(self.spec, size))
         else:
-            self.h2d_free = max(self.now, self.h2d_free) + costs.copy_in_s(self.spec, size)
+            start = max(self.now, self.h2d_free)
+            self.h2d_free = start + costs.copy_in_s(self.spec, size)
             self._wait_until(self.h2d_free)
+        self.fills.append((ordinal, start, self.now))
         self.gap_spans[ordinal][-1] = (emptied, begin)
 
     def _take(self, ordinal: int, k: int) -> None:
@@ -442,7 +447,7 @@ class Clock:
     def copy_spans(self) -> list[tuple[str, int, float, float]]:
         """The step's copies as ``(direction, ordinal, start_s, end_s)``: each copy out as the
         clock ran it, each copy in ending where the clock had it back (a spilled one read from
-        its file)."""
+        its file), and each fill of a gap in forward (Note [Gaps in what the code holds])."""
         spans = [("out", o, self.out_start[o], done) for o, done in self.out_done.items()]
         for ordinal, done in self.in_done.items():
             size = self.entries[ordinal][1]
@@ -452,4 +457,5 @@ class Clock:
                 else costs.copy_in_s(self.spec, size)
             )
             spans.append(("in", ordinal, done - took, done))
+        spans.extend(("in", ordinal, start, end) for ordinal, start, end in self.fills)
         return spans

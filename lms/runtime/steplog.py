@@ -185,12 +185,20 @@ class StepLog:
         return marked
 
     def copy(
-        self, direction: str, ordinal: int, nbytes: int, queued: Any, start: Any, end: Any
+        self,
+        direction: str,
+        ordinal: int,
+        nbytes: int,
+        queued: Any,
+        start: Any,
+        end: Any,
+        tier: str = "host",
     ) -> None:
-        """A copy to or from host memory, with its marks (``start`` None: taken as queued)."""
+        """A copy to or from host memory (or, ``tier`` "disk", a spill file read while the step
+        waits), with its marks (``start`` None: taken as queued)."""
         if self.recording:
             began = queued if start is None else start
-            self._copies.append((direction, ordinal, nbytes, "host", queued, began, end))
+            self._copies.append((direction, ordinal, nbytes, tier, queued, began, end))
 
     def spill_asked(self, direction: str, key: int, ordinal: int, nbytes: int) -> None:
         """A spill file's write (``out``) or read (``in``) of entry ``key`` was queued now."""

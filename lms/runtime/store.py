@@ -346,6 +346,8 @@ class Offloader:
         into = self._fill_target(entry)
         if into is None:
             return
+        log = self.log
+        queued = None if log is None else log.mark()
         if entry.host_buf is not None:
             into.copy_(entry.host_buf[: entry.nbytes])
         elif entry.on_disk:
@@ -353,6 +355,9 @@ class Offloader:
             self._disk_store().read(entry.key, on_host).result()
             if on_host is not into:
                 into.copy_(on_host)
+        if log is not None:
+            tier = "host" if entry.host_buf is not None else "disk"
+            log.copy("in", entry.ordinal, entry.nbytes, queued, queued, log.mark(), tier=tier)
 
     # -- in ----------------------------------------------------------------------------------
     def prefetch(self, entry: Entry) -> bool:

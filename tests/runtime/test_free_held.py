@@ -380,11 +380,28 @@ def test_gaps_are_planned_only_where_nothing_fits_without_and_said(spill_dir):
     )
     assert any("over 1 gaps between forward's reads" in line for line in lines)
     offload = lms.LMS(plan=plan, tier="disk", spill_dir=spill_dir, free_held=True)
+    offload.record_steps()
     for _ in range(2):
         assert_bitwise(reference, run_step(model, [x], offload))
     assert offload.stats.gap_fills == 2
+    # the fill is a copy in forward, in the record and in the simulation alike
+    backward = planned.backward_start_s
+    simulated = [c for c in _clock(trace, plan, spec).copy_spans() if c[:2] == ("in", ordinal)]
+    assert any(end <= backward for _, _, _, end in simulated), simulated
+    last = offload._log.steps[-1]  # the plan was not tuned here: no record file to save
+    first_backward = min(op.start_s for op in last.ops if op.backward)
+    fills = [c for c in last.copies if c.direction == "in" and c.ordinal == ordinal]
+    assert any(c.end_s <= first_backward and c.tier == "disk" for c in fills), fills
     offload.close()
     assert spill_files(spill_dir) == []
+
+
+def _clock(trace, plan, spec):
+    """The plan's clock on ``spec``, its copies kept (`Clock.copy_spans`)."""
+    from lms.analysis.clock import Clock
+    from lms.analysis.simulate import op_seconds
+
+    return Clock(trace, plan, spec, op_seconds(trace, spec, False, write_log=bool(plan.recompute)))
 
 
 # MONAI's 3D U-Net in the channels-last layout on the disk tier, at a budget below what any plan

@@ -57,11 +57,12 @@ __all__ = ["plan_milp"]
 log = logging.getLogger("lms.planning")
 
 WINDOWS = 16
+"""Windows of forward, and of backward, each with its own row for the link (Note [The choice as a
+mixed-integer program])."""
+
 LOOKAHEAD = 1
 """Windows of backward ahead of its reads that a copy in may start: the runtime prefetches a few
 storages ahead, not from backward's start."""
-"""Windows of forward, and of backward, each with its own row for the link (Note [The choice as a
-mixed-integer program])."""
 
 ROUNDS = 5
 """Times the program is solved again for a lower budget where the simulator finds the plan over
@@ -111,8 +112,7 @@ def plan_milp(
         offload, recompute = chosen
         plan, result = _fastest_ahead(candidates, offload, recompute)
         if candidates.fits(result):
-            if best is None or result.step_s < best[1].step_s:
-                best = plan, result
+            best = plan, result
             break
         target -= result.peak_bytes - budget_bytes
     if best is None:

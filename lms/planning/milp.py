@@ -98,11 +98,11 @@ def plan_milp(
     """
     require("scipy", for_what="the mixed-integer planner")
     candidates = Candidates(trace, spec, budget_bytes, half)
-    plain = candidates.run(None)
+    plain = simulate(trace, None, spec, half=half)  # its memory timeline too, for the program
     if candidates.fits(plain):
         return candidates.finish(candidates.plan((), source="milp"), plain)
     minimum_plan, _ = smallest_plan(candidates)
-    program = _Program(candidates, half)
+    program = _Program(candidates, half, plain)
     target = budget_bytes
     best: tuple[Plan, SimResult] | None = None
     for _ in range(ROUNDS):
@@ -164,6 +164,8 @@ class _Program:
 
     candidates: Candidates
     half: bool
+    plain: SimResult
+    """The step without offload, simulated with its memory timeline."""
 
     def __post_init__(self) -> None:
         trace, spec = self.candidates.trace, self.candidates.spec
@@ -171,7 +173,6 @@ class _Program:
         n = len(entries)
         self.n = n
         self.sizes = numpy.array([nbytes for _, nbytes, _ in entries], dtype=float)
-        self.saved_at = numpy.array([op for _, _, op in entries], dtype=numpy.int64)
         first_use: dict[int, int] = {}
         for event in trace.events:
             if event.kind == "use":
@@ -191,29 +192,26 @@ class _Program:
         self.movable = numpy.array(
             [ordinal not in self.candidates.pinned for ordinal in range(n)], dtype=bool
         )
-        self.base = self._base_per_op()
         seconds = op_seconds(trace, spec, self.half)
+        self.starts = numpy.asarray(Clock(trace, None, spec, seconds).start, dtype=float)
+        """When each op starts in the step without offload, and (last) when the step ends."""
+        self.base = self._base_per_op()
         self.recompute_s = numpy.full(n, numpy.inf)
         self.recipes = recipes(trace)
         for ordinal, recipe in self.recipes.items():
             self.recompute_s[ordinal] = costs.replay_s(seconds, recipe.all_ops)
-        starts = numpy.concatenate([[0.0], numpy.cumsum(seconds)])
-        self.starts = starts
         self.backward_op = min(trace.backward_start_op, end)
 
     def _base_per_op(self) -> numpy.ndarray:
         """Device bytes at each op of the step without offload (the most seen while it runs),
         less what every movable storage holds where a plan could take it away: what no choice
         can lower."""
-        trace, spec = self.candidates.trace, self.candidates.spec
-        result = simulate(trace, None, spec, half=self.half)
-        clock = Clock(trace, None, spec, op_seconds(trace, spec, self.half))
-        times = numpy.asarray(result.timeline_s, dtype=float)
-        device = numpy.asarray(result.device_bytes, dtype=float)
-        ops = len(trace.ops)
+        times = numpy.asarray(self.plain.timeline_s, dtype=float)
+        device = numpy.asarray(self.plain.device_bytes, dtype=float)
+        ops = len(self.candidates.trace.ops)
         base = numpy.zeros(ops)
         if len(times):
-            starts = numpy.asarray(clock.start[:ops], dtype=float)
+            starts = self.starts[:ops]
             ends = numpy.append(starts[1:], numpy.inf)
             first = numpy.maximum(numpy.searchsorted(times, starts, side="right") - 1, 0)
             last = numpy.minimum(

@@ -1,17 +1,18 @@
 """Step records of the cases the simulator must predict, each replayed beside what it measured.
 
-Each case is `lms train --record` in a process of its own (on a card, capped at 32 GiB as the
-seed's V100); then every record is replayed (`lms.report.replay`) and the summary written beside
-the records: measured against predicted step time and peak, the plan's own prediction, the
-no-offload step it was priced against and the floor. On a card the cases are the seed's (ResNet50
-at 4000, 8000 and 12650 px, the 3D U-Net at 256^3 and 368^3, a GPT-2 medium at 60% of its peak);
-on a CPU,
-the same kinds of case at sizes a CPU runs in seconds, on the disk tier.
+Each case is `lms train --record` in a process of its own (on a card, the images and volumes
+capped at 32 GiB as the seed's V100); then every record is replayed (`lms.report.replay`) and
+the summary written beside the records: measured against predicted step time and peak, the
+plan's own prediction, the no-offload step it was priced against and the floor. On a card the
+cases are the seed's (ResNet50 at 4000, 8000 and 12650 px, the 3D U-Net at 256^3 and 368^3, a
+GPT-2 medium at 60% of its peak); on a CPU, the same kinds of case at sizes a CPU runs in
+seconds, on the disk tier.
 
     python benchmarks/truth.py --out benchmarks/results/records-cpu
     python benchmarks/truth.py --out DIR --only resnet50_8000   # some cases
 
-Each case is stopped after its share of ``--time-limit`` and the rest go on.
+Each case may run on into the time the cases before it left of ``--time-limit``, keeping
+`RESERVE_S` for each case still to come; one stopped, the rest go on.
 """
 
 from __future__ import annotations

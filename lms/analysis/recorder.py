@@ -236,6 +236,7 @@ class Recorder(TorchDispatchMode):
                 inputs=tuple(inputs),
                 outputs=tuple(outputs),
                 cpu_scratch_bytes=_cpu_scratch(name, args, out),
+                touched_bytes=_touched_bytes(func, taken, returned),
             )
         )
         self.calls.append(_recorded_call(func, args, kwargs))
@@ -678,3 +679,23 @@ def _nodes(value: Any) -> list[Any]:
 def _writes_inplace(func: Any) -> bool:
     schema = func._schema
     return any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)
+
+
+# Note: [An op moves its tensors, not their storages]
+# Memory counts storages: a view keeps its whole storage resident. Time counts the elements an op
+# reads and writes: a slice of a large storage costs its own elements, and a view op (a slice, a
+# transpose, a split) moves nothing. Pricing memory-bound ops by their storages would charge a
+# module run in slabs (Note [Slabs]) a whole tensor for every piece it reads.
+def _touched_bytes(func: Any, taken: list[Any], returned: list[Any]) -> int:
+    """The bytes of the tensors ``func`` reads and writes; 0 for a view op."""
+    if getattr(func, "is_view", False):
+        return 0
+    total = 0
+    tensors = [*{id(t): t for t in taken}.values(), *{id(t): t for t in returned}.values()]
+    for tensor in tensors:
+        try:
+            own = tensor.numel() * tensor.element_size()
+            total += min(own, tensor.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a sparse tensor)
+            total += tensor.numel() * tensor.element_size()
+    return total

@@ -130,9 +130,7 @@ def op_seconds(
         known = trace.memo[key] = tuple(
             overhead
             + (
-                costs.compute_s(
-                    spec, flops=op.flops, working_set_bytes=op.working_set_bytes, half=half
-                )
+                costs.compute_s(spec, flops=op.flops, working_set_bytes=op.moved_bytes, half=half)
                 + fresh.get(i, 0.0)
                 if seconds is None
                 else seconds

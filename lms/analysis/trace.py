@@ -32,6 +32,7 @@ from lms.core.config import AUTO_MIN_OFFLOAD_BYTES
 from lms.core.errors import LMSError, StepStateError, UnplannableStepError, step_failed
 from lms.core.keep import is_plain, leave_modules
 from lms.core.records import Trace
+from lms.core.slabs import split_modules
 
 __all__ = ["trace_step", "default_step", "StepFn"]
 
@@ -245,6 +246,7 @@ def trace_step(
     optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
     min_offload_bytes: int = AUTO_MIN_OFFLOAD_BYTES,
     name: str = "model",
+    slabs: Mapping[str, int] | None = None,
 ) -> Trace:
     """Run one training step under `FakeTensorMode` and record it.
 
@@ -261,8 +263,11 @@ def trace_step(
         optimizer: builds an optimizer over the parameters; its ``step()`` then ends the step.
         min_offload_bytes: saved tensors below this stay on the device (as in `lms.LMS`).
         name: the name reports give the model.
+        slabs: submodules that run in slabs along their first spatial dimension, by name, with
+            how many (`lms.core.slabs.split_modules`).
 
     Raises:
+        SplitError: a name in ``slabs`` is not a submodule, or a count is below 2.
         StepFailedError: the step raised under fake tensors (the model's own error, such as a
             batch norm over one value, or an op whose output shape depends on the data).
         UnplannableStepError: the step is not one forward and backward, or the model's
@@ -284,6 +289,7 @@ def trace_step(
         fake_mode,
         torch.device(target),
         fake_state,
+        split_modules(built, slabs or {}),
     ):
         leaves, structure = tree_flatten(batch() if callable(batch) else batch)
         leaves = [
@@ -366,6 +372,7 @@ def trace_step(
         compiled=watch.entered
         or _is_compiled(step)
         or any(_is_compiled(module) for module in built.modules()),
+        slabs=tuple(sorted((slabs or {}).items())),
     )
     made = recorder.made
     del recorder, hooks, built, watch  # the recorder keeps forward's autograd nodes

@@ -39,11 +39,21 @@ class SavedTensorChangedError(LMSError):
 
 
 class PlanInfeasibleError(LMSError):
-    """No plan fits the budget: names the operation that cannot fit and the smallest budget."""
+    """No plan fits the budget: names the operation that cannot fit and the smallest budget;
+    ``op_module``: the module of the operation at that smallest budget's peak."""
 
-    def __init__(self, message: str, *, op_name: str, op_bytes: int, min_budget_bytes: int):
+    def __init__(
+        self,
+        message: str,
+        *,
+        op_name: str,
+        op_bytes: int,
+        min_budget_bytes: int,
+        op_module: str = "",
+    ):
         super().__init__(message)
         self.op_name = op_name
+        self.op_module = op_module
         self.op_bytes = op_bytes
         self.min_budget_bytes = min_budget_bytes
 

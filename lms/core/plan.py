@@ -63,6 +63,9 @@ class Plan:
     """The simulator's step-time overhead over no offload."""
     source: str = "runtime-policy"
     """What made it: "runtime-policy", "tflms", "planner"."""
+    slabs: tuple[tuple[str, int], ...] = ()
+    """Submodules that run in slabs, by name, with how many: the step the plan was made for
+    ran them so (Note [Slabs]); the runtime runs them so too."""
     use_order: tuple[int, ...] = ()
     """Ordinals in the order backward first read them in the traced step (`Trace.use_order`):
     the order the runtime prefetches in before a step of its own has shown it; empty for the
@@ -186,6 +189,7 @@ class Plan:
         data["free_held_at"] = tuple(data.get("free_held_at", ()))
         data["held_gaps"] = tuple(tuple(gap) for gap in data.get("held_gaps", ()))
         data["use_order"] = tuple(data.get("use_order", ()))
+        data["slabs"] = tuple((str(name), int(count)) for name, count in data.get("slabs", ()))
         return cls(**data)
 
     def save(self, path: str | os.PathLike[str]) -> None:

@@ -49,11 +49,21 @@ class OpRecord:
     cpu_scratch_bytes: int = 0
     """Memory the op takes for itself while it runs on a CPU, on top of its tensors: oneDNN's
     copies of a convolution's tensors (Note [Convolution scratch on the CPU])."""
+    touched_bytes: int = -1
+    """Bytes of the tensors it reads and writes, each its own elements rather than its whole
+    storage; 0 for a view, which moves no data. -1 in records made before it was kept: then
+    the working set stands for it."""
 
     @property
     def working_set_bytes(self) -> int:
         """Inputs and outputs that must be resident at once while the op runs."""
         return self.read_bytes + self.written_bytes
+
+    @property
+    def moved_bytes(self) -> int:
+        """The bytes that price the op where its memory bound it (Note [An op moves its
+        tensors, not their storages])."""
+        return self.working_set_bytes if self.touched_bytes < 0 else self.touched_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +195,8 @@ class Trace:
     compiled: bool = False
     """The model has parts compiled with ``torch.compile``, or the step is compiled as a whole:
     backward recomputes nothing (Note [Compiled models are not replayed])."""
+    slabs: tuple[tuple[str, int], ...] = ()
+    """The submodules that ran in slabs, by name, with how many (Note [Slabs])."""
     calls: tuple[OpCall | None, ...] = dataclasses.field(default=(), compare=False, repr=False)
     """How each op was called, by op index (None where it cannot run again alone); empty for
     traces made otherwise. Not part of the record's identity."""

@@ -230,6 +230,7 @@ def _trace_to_dict(trace: Trace) -> dict[str, Any]:
 def _trace_from_dict(data: dict[str, Any]) -> Trace:
     values = _untabled(data, _TRACE_TABLES)
     values["input_shapes"] = _tupled(data["input_shapes"])
+    values["slabs"] = _tupled(data.get("slabs", []))
     return Trace(**values)
 
 

@@ -4,6 +4,7 @@ LMS, then with it; predicted data rate (pixels/s or voxels/s) at every size."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from lms.analysis import simulate, trace_step
 from lms.core.errors import PlanInfeasibleError, StepFailedError
 from lms.core.units import check_counts, format_bytes, parse_bytes
 from lms.harness.zoo import zoo_model
+from lms.orchestration.split import fit_in_slabs
 from lms.planning import plan_auto
 
 if TYPE_CHECKING:
@@ -120,6 +122,23 @@ def sweep(
                 offloaded_bytes=0,
             )
         else:
+            whole_step_s = plain.step_s
+            trace = fit_in_slabs(
+                functools.partial(
+                    trace_step,
+                    entry.build,
+                    _batch_of(entry, size, batch_size),
+                    entry.step_fn,
+                    device="cpu",
+                    autocast=torch.bfloat16 if amp else None,
+                    name=model,
+                ),
+                spec,
+                budget,
+                half=half,
+                free_held=free_held,
+                trace=trace,
+            )
             try:
                 plan = plan_auto(trace, spec, budget, half=half, free_held=free_held)
             except PlanInfeasibleError as error:
@@ -129,10 +148,13 @@ def sweep(
                 log.info("[LMS] %s at %d: %s", model, size, str(error).removeprefix("lms: "))
                 break
             planned = simulate(trace, plan, spec, half=half)
+            if trace.slabs:
+                point["slabs"] = dict(trace.slabs)
             point.update(
                 fits_with_lms=True,
                 lms_peak_bytes=planned.peak_bytes,
-                predicted_overhead=planned.overhead,
+                # over the step run whole: what running in slabs costs is part of the overhead
+                predicted_overhead=planned.step_s / whole_step_s - 1,
                 rate_with_lms=elements / planned.step_s,
                 offloaded_bytes=planned.offloaded_bytes,
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -19,6 +20,7 @@ from lms.core.errors import PlanInfeasibleError
 from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.core.units import parse_bytes
+from lms.orchestration.split import fit_in_slabs
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -212,6 +214,24 @@ def analyze(
         min_offload_bytes=min_offload_bytes,
         name=name,
     )
+    half = autocast in (torch.float16, torch.bfloat16)
+    trace = fit_in_slabs(
+        functools.partial(
+            trace_step,
+            model,
+            batch,
+            step_fn,
+            autocast=autocast,
+            optimizer=optimizer,
+            min_offload_bytes=min_offload_bytes,
+            name=name,
+        ),
+        spec,
+        budget,
+        half=half,
+        free_held=free_held,
+        trace=trace,
+    )
     trace_seconds = time.perf_counter() - started
     if device_spec == "local":
         from lms.orchestration.local import with_local_timings
@@ -222,7 +242,7 @@ def analyze(
         spec,
         budget,
         planner=planner,
-        half=autocast in (torch.float16, torch.bfloat16),
+        half=half,
         trace_seconds=trace_seconds,
         free_held=free_held,
     )
@@ -276,6 +296,7 @@ def report_for(
             predicted_peak_bytes=planned.peak_bytes,
             predicted_overhead=planned.overhead,
             use_order=trace.use_order,
+            slabs=trace.slabs,
         )
     tune_seconds = time.perf_counter() - started
     slow_link = None

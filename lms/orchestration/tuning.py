@@ -4,6 +4,7 @@ fingerprint."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import shutil
 import tempfile
@@ -23,6 +24,7 @@ from lms.core.units import format_bytes
 from lms.core.version import __version__
 from lms.orchestration.cache import cache_folder, cache_path, load_cached, planner_code, save_plan
 from lms.orchestration.local import local_device_spec, with_local_timings
+from lms.orchestration.split import fit_in_slabs
 from lms.planning.candidates import Candidates
 from lms.planning.minimum import smallest_plan
 
@@ -116,6 +118,23 @@ def tune_step(
     if loaded is not None:
         plan = loaded
     else:
+        trace = fit_in_slabs(
+            functools.partial(
+                trace_step,
+                model,
+                batch,
+                step_fn,
+                device=device,
+                autocast=autocast,
+                min_offload_bytes=min_offload_bytes,
+                name=type(model).__name__,
+            ),
+            spec,
+            budget,
+            half=half,
+            free_held=free_held,
+            trace=trace,
+        )
         _refuse_below_floor(trace, spec, budget, half=half, free_held=free_held)
         spec = with_local_timings(spec, trace, device, budget)
         if trace.compiled:
@@ -126,7 +145,7 @@ def tune_step(
         options = {"free_held": True} if free_held else {}
         plan = choose(trace, spec, budget, half=half, **options)
         # Note [The first step prefetches in the traced order]
-        plan = dataclasses.replace(plan, use_order=trace.use_order)
+        plan = dataclasses.replace(plan, use_order=trace.use_order, slabs=trace.slabs)
     # A cached plan too: the host budget and the spill disk's free space may differ now.
     check_offload_room(
         trace,

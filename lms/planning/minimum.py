@@ -65,6 +65,7 @@ def smallest_plan(candidates: Candidates, first: str = "relieve") -> tuple[Plan,
         " at once); raise the budget or lower the batch size or resolution"
         + _free_held_hint(candidates, result.peak_bytes),
         op_name=op.name if op else "",
+        op_module=op.module if op else "",
         op_bytes=largest.working_set_bytes,
         min_budget_bytes=result.peak_bytes,
     )

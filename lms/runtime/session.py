@@ -36,6 +36,7 @@ from lms.core.keep import (
 )
 from lms.core.plan import Plan
 from lms.core.records import Trace
+from lms.core.slabs import split_modules
 from lms.core.steprecord import StepRecord
 from lms.core.sync import SyncMode
 from lms.core.units import format_bytes
@@ -132,6 +133,8 @@ class LMS:
             if not isinstance(each, torch.nn.Module):
                 raise TypeError(f"lms: model= takes modules, not {type(each).__name__}")
             self._keep.note_model(each)
+        self._models = models
+        self._split: contextlib.ExitStack | None = None  # the plan's slabs, while a step runs
         self._keys = itertools.count()  # entry keys (spill file names), unique in this runtime
         self._active = False
         self._owner = ""
@@ -184,12 +187,19 @@ class LMS:
                 self._log.begin(self.stats.steps + 1, self.stats.as_dict())
             return self._enter()
         except BaseException:
+            if self._split is not None:
+                self._split.close()
+                self._split = None
             self._active = False
             if self._log is not None:
                 self._log.end(self.stats.as_dict())
             raise
 
     def _enter(self) -> LMS:
+        if self.plan is not None and self.plan.slabs:  # first: it may refuse
+            model = self._split_model()
+            self._split = contextlib.ExitStack()
+            self._split.enter_context(split_modules(model, dict(self.plan.slabs)))
         with self._lock:
             self._relief.drop()
             previous = self._step
@@ -235,6 +245,9 @@ class LMS:
         self._active = False
         self._replays.stop()
         self._hooks.__exit__(None, None, None)
+        if self._split is not None:
+            self._split.close()
+            self._split = None
         if self._module_hook is not None:
             self._module_hook.remove()
             self._module_hook = None
@@ -300,7 +313,25 @@ class LMS:
         self._tuned = (tuned.trace, tuned.spec, tuned.half)
         self._offloader.sync_out = self.config.sync_out or SyncMode(self.plan.sync_mode).waits_out
         self._keep.note_model(model)  # as in the trace
+        if all(known is not model for known in self._models):
+            self._models.append(model)
         return self.plan
+
+    def _split_model(self) -> torch.nn.Module:
+        """The model whose submodules the plan runs in slabs.
+
+        Raises:
+            LMSError: no model given to `LMS` (``model=``) or to `tune` has them all.
+        """
+        names = [name for name, _ in self.plan.slabs] if self.plan is not None else []
+        for model in self._models:
+            modules = dict(model.named_modules())
+            if all(name in modules for name in names):
+                return model
+        raise LMSError(
+            f"lms: the plan runs {', '.join(names)} in slabs, but no model given to LMS has "
+            "them; pass the model as LMS(model=...), or tune() with it"
+        )
 
     # -- step records ------------------------------------------------------------------------
     def record_steps(self, device: torch.device | str | None = None) -> None:

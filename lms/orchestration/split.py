@@ -1,0 +1,120 @@
+"""Choose which submodules run in slabs, and in how many, where no plan of the whole step fits
+its budget (Note [Slabs])."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from lms.analysis.simulate import simulate
+from lms.core.devices import DeviceSpec
+from lms.core.errors import PlanInfeasibleError
+from lms.core.records import Trace
+from lms.core.slabs import SplitError
+from lms.core.units import format_bytes
+from lms.planning.candidates import Candidates
+from lms.planning.minimum import smallest_plan
+
+__all__ = ["SLAB_COUNTS", "fit_in_slabs"]
+
+log = logging.getLogger("lms.orchestration.split")
+
+SLAB_COUNTS = (4, 8, 16, 32)
+"""The counts tried for a submodule, fewest first: each slab is one more pass of its kernels'
+launches and one more halo to read again."""
+
+_ROUNDS = 12
+"""Traces tried at most: each names the submodule at the new floor's peak, or more slabs."""
+
+
+def fit_in_slabs(
+    trace_with: Callable[..., Trace],
+    spec: DeviceSpec,
+    budget: int,
+    *,
+    half: bool = False,
+    free_held: bool = False,
+    trace: Trace | None = None,
+) -> Trace:
+    """The step's trace to plan: as it is where some plan fits ``budget``, else traced again
+    with submodules in slabs until one does.
+
+    Note: [Which submodules run in slabs]
+    The least memory a plan of the step needs (every saved tensor out, copies waited for) peaks
+    at one op. Where that floor is over the budget, the top-level submodule that op runs in is
+    run in slabs, if it has a convolution over a spatial input; then the step is traced again
+    and its floor found again. A submodule named twice gets the next count of `SLAB_COUNTS`.
+    It stops at the first trace whose floor fits, so each submodule has the fewest slabs that
+    fit. Where none fits, the step is planned whole, and the planner's own error says why.
+
+    Args:
+        trace_with: ``trace_with(slabs=...)`` traces the step with the given submodules in
+            slabs (as `trace_step` takes them).
+        trace: the step traced whole, where the caller has it.
+    """
+    whole = trace if trace is not None else trace_with(slabs={})
+    current, slabs = whole, dict[str, int]()
+    for _ in range(_ROUNDS):
+        error = _floor_error(current, spec, budget, half=half, free_held=free_held)
+        if error is None:
+            if slabs:
+                log.info(
+                    "[LMS] Runs %s in slabs along the first spatial dimension (Note [Slabs]): "
+                    "the least a plan needs falls from %s to within the budget of %s; without "
+                    "offload, a step in slabs is predicted at %.4f s against %.4f s whole",
+                    ", ".join(f"{name} in {count}" for name, count in sorted(slabs.items())),
+                    format_bytes(_floor_bytes(whole, spec, budget, half, free_held)),
+                    format_bytes(budget),
+                    simulate(current, None, spec, half=half).step_s,
+                    simulate(whole, None, spec, half=half).step_s,
+                )
+            return current
+        unit = _unit(current, error.op_module)
+        if unit is None:
+            break
+        if unit not in slabs:
+            slabs[unit] = SLAB_COUNTS[0]
+        elif slabs[unit] < SLAB_COUNTS[-1]:
+            slabs[unit] = next(count for count in SLAB_COUNTS if count > slabs[unit])
+        else:
+            break
+        try:
+            current = trace_with(slabs=dict(slabs))
+        except SplitError as refused:
+            log.info("[LMS] %s", str(refused).removeprefix("lms: "))
+            break
+    return whole
+
+
+def _floor_error(
+    trace: Trace, spec: DeviceSpec, budget: int, *, half: bool, free_held: bool
+) -> PlanInfeasibleError | None:
+    """Why no plan of ``trace`` fits ``budget``; None where one does."""
+    candidates = Candidates(trace, spec, budget, half, free_held=free_held, gaps=free_held)
+    if candidates.fits(candidates.run(None)):
+        return None
+    try:
+        smallest_plan(candidates)
+    except PlanInfeasibleError as error:
+        return error
+    return None
+
+
+def _floor_bytes(trace: Trace, spec: DeviceSpec, budget: int, half: bool, free_held: bool) -> int:
+    error = _floor_error(trace, spec, budget, half=half, free_held=free_held)
+    return error.min_budget_bytes if error is not None else budget
+
+
+def _unit(trace: Trace, module: str) -> str | None:
+    """The top-level submodule that ``module`` (a trace's dotted module path, the model's
+    class first) is in, where it runs a convolution over a spatial input; else None."""
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None
+    prefix = f"{parts[0]}.{parts[1]}"
+    convolves = any(
+        op.name.startswith("aten.convolution")
+        and (op.module == prefix or op.module.startswith(prefix + "."))
+        for op in trace.ops
+    )
+    return parts[1] if convolves else None

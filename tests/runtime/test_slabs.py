@@ -1,0 +1,110 @@
+"""Plans that run submodules in slabs (Note [Slabs], Note [Which submodules run in slabs]):
+chosen only where no plan of the whole step fits, followed exactly by the runtime, and within
+the budget on the disk tier."""
+
+import textwrap
+
+import pytest
+import torch
+
+import lms
+from tests.conftest import script_json, spill_files
+from tests.runtime.test_memory import COMMON
+
+# MONAI's 3D U-Net on the disk tier, at a budget below what any plan of the whole step needs,
+# with what the code holds emptied (free_held) and without.
+UNET = COMMON + textwrap.dedent(
+    """
+    import copy
+    from monai.networks.nets import BasicUNet
+    from lms.core.slabs import split_modules
+    from lms.orchestration.split import _floor_error
+
+    fmt = torch.channels_last_3d
+    model = BasicUNet(spatial_dims=3, in_channels=1, out_channels=2,
+                      features=(8, 8, 16, 32, 64, 8)).to(memory_format=fmt)
+    x = torch.randn(1, 1, 80, 80, 80).contiguous(memory_format=fmt)
+    folder = sys.argv[1]
+    spec = local_device_spec(torch.device("cpu"))
+    whole = trace_step(model, [x], step, device="cpu")
+    before = whole.param_bytes + whole.buffer_bytes + whole.input_bytes
+    budget = before + 110 * 2**20
+    floor = _floor_error(whole, spec, budget, half=False, free_held=True).min_budget_bytes
+    offload = lms.LMS(budget=budget, tier="disk", spill_dir=folder, free_held=True)
+    plan = offload.tune(model, [x], step, cache_dir=folder + "/plans")
+    slabs = dict(plan.slabs)
+    reference = copy.deepcopy(model)
+    with split_modules(reference, slabs):
+        step(reference, [x])
+    plan = dataclasses.replace(plan, sync_mode=3)  # the runtime's own pace, not the disk's
+    offload = lms.LMS(plan=plan, model=model, budget=budget, tier="disk", spill_dir=folder,
+                      free_held=True)
+    trace = trace_step(model, [x], step, device="cpu", slabs=slabs)
+    sim = simulate(trace, plan, spec)
+    measured = measured_growth(model, x, offload, steps=2)
+    bitwise = all(
+        torch.equal(a.grad, b.grad) for a, b in zip(reference.parameters(), model.parameters()))
+    whole_again = "forward" not in model.get_submodule(next(iter(slabs))).__dict__
+    print(json.dumps({"floor": floor, "budget": budget, "before": before, "slabs": slabs,
+                      "measured": measured, "simulated": sim.peak_tensor_bytes - before,
+                      "bitwise": bitwise, "whole_again": whole_again,
+                      "offloaded": offload.stats.offloaded_bytes}))
+    """
+)
+
+
+def test_a_3d_unet_whose_whole_step_fits_no_plan_trains_in_slabs_under_its_budget(spill_dir):
+    """No plan of the whole step fits; the tuned plan runs the decoder's last block in slabs,
+    its steps are bitwise those of the same slabs without LMS, and the C heap grows as
+    simulated (within 3%) and within the budget."""
+    found = script_json(UNET, spill_dir)
+    assert found["floor"] > found["budget"], found
+    assert found["slabs"] and all(count >= 2 for count in found["slabs"].values()), found
+    assert found["bitwise"] and found["whole_again"] and found["offloaded"] > 0, found
+    for growth in found["measured"]:
+        assert abs(growth - found["simulated"]) <= 0.03 * found["simulated"], found
+        assert found["before"] + growth <= found["budget"], found
+    assert [f for f in spill_files(spill_dir) if "/plans" not in f] == []
+
+
+def test_a_step_that_fits_whole_is_never_split():
+    model = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1), torch.nn.ReLU())
+    x = torch.randn(1, 1, 16, 16, 16)
+
+    def step(m, batch):
+        loss = m(*batch).square().mean()
+        loss.backward()
+        return loss
+
+    plan = lms.LMS(budget="64MiB").tune(model, [x], step)
+    assert plan.slabs == ()
+
+
+def test_a_plan_with_slabs_needs_the_model_that_has_them():
+    plan = lms.Plan(fingerprint="x", offload=(), num_entries=0, slabs=(("block", 4),))
+    model = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1))
+    offload = lms.LMS(plan=plan, model=model, budget="1GiB")
+    with pytest.raises(lms.LMSError, match="runs block in slabs"), offload:
+        pass
+    assert not offload._active
+
+
+def test_the_runtime_runs_the_plans_slabs_and_gives_the_module_back():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv3d(1, 4, 3, padding=1),
+        torch.nn.Sequential(torch.nn.Conv3d(4, 4, 3, padding=1), torch.nn.InstanceNorm3d(4)),
+    )
+    x = torch.randn(1, 1, 12, 6, 6)
+
+    def step(m, batch):
+        loss = m(*batch).square().mean()
+        loss.backward()
+        return loss
+
+    plan = lms.Plan(fingerprint="x", offload=(), num_entries=0, slabs=(("1", 3),))
+    seen = []
+    model[1].register_forward_hook(lambda m, i, o: seen.append("forward" in m.__dict__))
+    with lms.LMS(plan=plan, model=model, budget="1GiB"):
+        step(model, [x])
+    assert seen == [True] and "forward" not in model[1].__dict__

@@ -77,6 +77,10 @@ _JSON_HELP = (
     "write the results here as JSON, with the lms and torch versions; its keys are documented "
     "in the command's JSON schema, lms/schemas/COMMAND.schema.json"
 )
+_NO_SLABS_HELP = (
+    "plan the whole step only: never run submodules in slabs, even where nothing else fits "
+    "(in slabs, gradients are within float rounding of the whole module's)"
+)
 _FREE_HELD_HELP = (
     "let the plan empty tensors the step's code holds but no longer reads (the input batch), "
     "filled again in place for backward"
@@ -148,6 +152,7 @@ def _analyze(args: argparse.Namespace) -> int:
         autocast=torch.bfloat16 if args.amp else None,
         name=f"{args.model} {args.image_size}px batch {args.batch_size}",
         free_held=args.free_held,
+        slabs=not args.no_slabs,
     )
     _write(args, report.as_dict(), report.plot)
     if args.html:
@@ -172,6 +177,7 @@ def _sweep(args: argparse.Namespace) -> int:
         amp=args.amp,
         max_size=args.max_size,
         free_held=args.free_held,
+        slabs=not args.no_slabs,
         progress=not args.quiet,
     )
     _write(args, result, lambda path: plot_sweep(result, path))
@@ -197,6 +203,7 @@ def _train(args: argparse.Namespace) -> int:
         data=data,
         keep_in=args.no_offload_in,
         free_held=args.free_held,
+        slabs=not args.no_slabs,
         memory_snapshot=args.memory_snapshot,
         progress=not args.quiet,
         record=args.record,
@@ -293,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(zoomable), the copies and the plan's table; it works offline",
     )
     analyze.add_argument("--free-held", action="store_true", help=_FREE_HELD_HELP)
+    analyze.add_argument("--no-slabs", action="store_true", help=_NO_SLABS_HELP)
     analyze.set_defaults(run=_analyze)
 
     sweep = commands.add_parser("sweep", help="grow the image edge until the step cannot fit")
@@ -309,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--json", help=_JSON_HELP)
     sweep.add_argument("--plot", help="write the graph of both limits (PNG) here")
     sweep.add_argument("--free-held", action="store_true", help=_FREE_HELD_HELP)
+    sweep.add_argument("--no-slabs", action="store_true", help=_NO_SLABS_HELP)
     sweep.set_defaults(run=_sweep)
 
     train = commands.add_parser("train", help="train a zoo model and measure it")
@@ -343,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--data", default=None, help="folder of images (one subfolder a class)")
     train.add_argument("--json", help=_JSON_HELP)
     train.add_argument("--free-held", action="store_true", help=_FREE_HELD_HELP)
+    train.add_argument("--no-slabs", action="store_true", help=_NO_SLABS_HELP)
     train.add_argument(
         "--memory-snapshot",
         metavar="PATH",

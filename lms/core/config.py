@@ -85,6 +85,12 @@ class LMSConfig:
     forward and backward (logging the batch in between, a forward-only step under the block):
     PyTorch reads an emptied storage without a check, and the process may crash."""
 
+    slabs: bool = True
+    """Where no plan of the whole step fits the budget, let a tuned plan run submodules in
+    slabs along their first spatial dimension (Note [Slabs], Note [Which submodules run in
+    slabs]). Their gradients are then within float rounding of the whole module's, not bit for
+    bit; False refuses such a budget instead."""
+
     cpu_resident: bool = True
     """With a budget on the CPU: hold it for the process's resident set, not only for the C heap
     in use, by giving memory back to the system as it is freed (Note [The resident set follows
@@ -117,7 +123,7 @@ class LMSConfig:
         _check_int("swapin_groupby", self.swapin_groupby, 0)
         _check_int("sync_mode", self.sync_mode, 0, 3)
         _check_int("min_offload_bytes", self.min_offload_bytes, 0)
-        for name in ("free_held", "cpu_resident"):
+        for name in ("free_held", "slabs", "cpu_resident"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"lms: {name}={getattr(self, name)!r} is not True or False")
         if self.spill_dir is not None and not isinstance(self.spill_dir, (str, os.PathLike)):
@@ -172,4 +178,5 @@ class LMSSettings(TypedDict, total=False):
     spill_reserve: int | str
     host_budget: int | str | None
     free_held: bool
+    slabs: bool
     cpu_resident: bool

@@ -192,7 +192,7 @@ def _hooks_aside(root: torch.nn.Module) -> Iterator[None]:
         )
         if hasattr(module, name)
     ]
-    held = [(module, name, getattr(module, name)) for name in globals_]
+    held: list[tuple[Any, str, Any]] = [(module, name, getattr(module, name)) for name in globals_]
     for each in root.modules():
         held += [
             (each, name, hooks)

@@ -18,7 +18,7 @@ from lms.analysis import simulate, trace_step
 from lms.core.errors import PlanInfeasibleError, StepFailedError
 from lms.core.units import check_counts, format_bytes, parse_bytes
 from lms.harness.zoo import zoo_model
-from lms.orchestration.split import fit_in_slabs
+from lms.orchestration.split import faster_in_slabs, fit_in_slabs
 from lms.planning import plan_auto
 
 if TYPE_CHECKING:
@@ -46,9 +46,12 @@ def sweep(
     max_size: int | None = None,
     progress: bool = True,
     free_held: bool = False,
+    slabs: bool = True,
 ) -> dict[str, Any]:
     """Sweep edge sizes ``start, start+step, ...`` until even LMS cannot fit the step; with
-    ``free_held``, plans may empty what the step's code holds (`lms.LMSConfig.free_held`).
+    ``free_held``, plans may empty what the step's code holds (`lms.LMSConfig.free_held`); with
+    ``slabs``, where no plan of the whole step fits, submodules may run in slabs
+    (`lms.LMSConfig.slabs`), and the overhead is over the step run whole.
     Without ``start``, the sweep starts at ``step`` and passes over the sizes the model itself
     rejects (a U-Net below its smallest input), up to the first it takes, saying so in one line.
 
@@ -123,21 +126,23 @@ def sweep(
             )
         else:
             whole_step_s = plain.step_s
+            traced = functools.partial(
+                trace_step,
+                entry.build,
+                _batch_of(entry, size, batch_size),
+                entry.step_fn,
+                device="cpu",
+                autocast=torch.bfloat16 if amp else None,
+                name=model,
+            )
             trace = fit_in_slabs(
-                functools.partial(
-                    trace_step,
-                    entry.build,
-                    _batch_of(entry, size, batch_size),
-                    entry.step_fn,
-                    device="cpu",
-                    autocast=torch.bfloat16 if amp else None,
-                    name=model,
-                ),
+                traced,
                 spec,
                 budget,
                 half=half,
                 free_held=free_held,
                 trace=trace,
+                allowed=slabs,
             )
             try:
                 plan = plan_auto(trace, spec, budget, half=half, free_held=free_held)
@@ -148,6 +153,15 @@ def sweep(
                 log.info("[LMS] %s at %d: %s", model, size, str(error).removeprefix("lms: "))
                 break
             planned = simulate(trace, plan, spec, half=half)
+            trace, plan, planned = faster_in_slabs(
+                traced,
+                trace,
+                (plan, planned),
+                functools.partial(_plan, spec=spec, budget=budget, half=half, free_held=free_held),
+                spec,
+                half=half,
+                allowed=slabs,
+            )
             if trace.slabs:
                 point["slabs"] = dict(trace.slabs)
             point.update(
@@ -192,6 +206,10 @@ def sweep(
         entry.unit,
     )
     return result
+
+
+def _plan(trace: Any, *, spec: Any, budget: int, half: bool, free_held: bool) -> Any:
+    return plan_auto(trace, spec, budget, half=half, free_held=free_held)
 
 
 def _span(sizes: list[int]) -> str:

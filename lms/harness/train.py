@@ -184,12 +184,13 @@ def train(
     progress: bool = True,
     keep_in: Sequence[str] = (),
     free_held: bool = False,
+    slabs: bool = True,
     memory_snapshot: str | None = None,
     record: str | None = None,
 ) -> TrainResult:
     """Train ``steps`` steps of a zoo model and measure them. With method "lms", tensors saved
     inside the submodules named in ``keep_in`` ("layer4") stay on the device (`no_offload_in`);
-    ``free_held`` is `lms.LMSConfig.free_held`. ``budget`` may be a share of the step's peak
+    ``free_held`` and ``slabs`` are `lms.LMSConfig`'s. ``budget`` may be a share of the step's peak
     without offload on this device, as simulated: ``"60%"``. ``memory_snapshot``: a file for the
     CUDA allocator's history of the steps, written when they end or fail (pytorch.org/memory_viz
     opens it, as it opens the simulator's `lms.export_memory_viz`). ``record``: a file for the
@@ -236,7 +237,12 @@ def train(
         if share is not None:
             budget = share_of_plain_peak(share, model, batch, step_fn, target, autocast)
         offload = LMS(
-            budget=budget, tier=tier, host_budget=host_budget, model=model, free_held=free_held
+            budget=budget,
+            tier=tier,
+            host_budget=host_budget,
+            model=model,
+            free_held=free_held,
+            slabs=slabs,
         )
         if budget is not None:
             offload.tune(model, batch, step_fn, autocast=autocast)
@@ -484,6 +490,7 @@ def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:
         "spill": len(plan.spill),
         "relieved_junctions": len(plan.relieved_junctions),
         "free_held": len(plan.free_held),
+        "slabs": dict(plan.slabs),
         "entries": plan.num_entries,
     }
     if offload.priced_on is not None:  # the no-offload step the plan was priced against

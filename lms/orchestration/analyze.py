@@ -20,7 +20,7 @@ from lms.core.errors import PlanInfeasibleError
 from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.core.units import parse_bytes
-from lms.orchestration.split import fit_in_slabs
+from lms.orchestration.split import faster_in_slabs, fit_in_slabs
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -171,6 +171,7 @@ def analyze(
     min_offload_bytes: int = AUTO_MIN_OFFLOAD_BYTES,
     name: str = "model",
     free_held: bool = False,
+    slabs: bool = True,
 ) -> Report:
     """Trace one training step with fake tensors and predict its memory with and without LMS.
 
@@ -192,6 +193,8 @@ def analyze(
         name: the model's name in reports.
         free_held: plans may empty what the step's code holds, as `lms.LMS` with
             ``free_held=True`` does (Note [Emptying what the code holds]).
+        slabs: where no plan of the whole step fits, plan it with submodules in slabs, as
+            `lms.LMS` does (Note [Which submodules run in slabs]).
 
     Raises:
         ValueError: ``gpu_memory`` is not a size above 0, before anything is traced.
@@ -215,22 +218,24 @@ def analyze(
         name=name,
     )
     half = autocast in (torch.float16, torch.bfloat16)
+    traced = functools.partial(
+        trace_step,
+        model,
+        batch,
+        step_fn,
+        autocast=autocast,
+        optimizer=optimizer,
+        min_offload_bytes=min_offload_bytes,
+        name=name,
+    )
     trace = fit_in_slabs(
-        functools.partial(
-            trace_step,
-            model,
-            batch,
-            step_fn,
-            autocast=autocast,
-            optimizer=optimizer,
-            min_offload_bytes=min_offload_bytes,
-            name=name,
-        ),
+        traced,
         spec,
         budget,
         half=half,
         free_held=free_held,
         trace=trace,
+        allowed=slabs,
     )
     trace_seconds = time.perf_counter() - started
     if device_spec == "local":
@@ -245,6 +250,7 @@ def analyze(
         half=half,
         trace_seconds=trace_seconds,
         free_held=free_held,
+        trace_with=traced if slabs and device_spec != "local" else None,
     )
 
 
@@ -257,8 +263,12 @@ def report_for(
     half: bool = False,
     trace_seconds: float = 0.0,
     free_held: bool = False,
+    trace_with: Callable[..., Trace] | None = None,
 ) -> Report:
     """Simulate a traced step without LMS and, when it does not fit, plan and simulate with it.
+    With ``trace_with`` (``trace_with(slabs=...)`` traces the step again with submodules in
+    slabs), a plan found is tried with submodules in slabs too, and the faster stands
+    (`lms.orchestration.split.faster_in_slabs`).
 
     Logs the `[LMS]` lines and returns the `Report`; ``planner`` and ``free_held`` are as in
     `analyze`.
@@ -289,6 +299,17 @@ def report_for(
             candidates = Candidates(trace, spec, budget, half=half, free_held=free_held)
             plan = candidates.plan(everything, ahead=1, sync_mode=3, source="infeasible")
         planned = simulate(trace, plan, spec, half=half)
+        if trace_with is not None and plan.source != "infeasible" and planner is None:
+
+            def replan(step: Trace) -> Plan:
+                from lms.planning import plan_auto
+
+                return plan_auto(step, spec, budget, half=half, free_held=free_held)
+
+            trace, plan, planned = faster_in_slabs(
+                trace_with, trace, (plan, planned), replan, spec, half=half
+            )
+            plain = simulate(trace, None, spec, half=half)
         # Note [The first step prefetches in the traced order]: a plan handed to `LMS(plan=...)`
         # from here prefetches its first step as the simulation did.
         plan = dataclasses.replace(

@@ -77,6 +77,15 @@ def cache_path(folder: str, trace: Trace, budget_bytes: int, setting: Sequence[o
 # The fingerprint names the step's shape, not the code that planned it: a plan kept by an earlier
 # release (or written by hand, or cut short) may name other tensors or no longer fit. One
 # simulation, far cheaper than tuning, tells; a plan that fails is tuned again, never followed.
+def cached_slabs(path: str) -> tuple[tuple[str, int], ...]:
+    """The submodules the plan kept at ``path`` runs in slabs (`Plan.slabs`): the step must be
+    traced so to check that plan; none where there is no readable plan."""
+    try:
+        return Plan.load(path).slabs
+    except (OSError, ValueError, TypeError, KeyError):
+        return ()
+
+
 def load_cached(
     path: str,
     trace: Trace,

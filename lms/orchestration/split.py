@@ -6,16 +6,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from lms.analysis.simulate import simulate
+from lms.analysis.simulate import SimResult, simulate
 from lms.core.devices import DeviceSpec
 from lms.core.errors import PlanInfeasibleError
+from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.core.slabs import SplitError
 from lms.core.units import format_bytes
 from lms.planning.candidates import Candidates
 from lms.planning.minimum import smallest_plan
 
-__all__ = ["SLAB_COUNTS", "fit_in_slabs"]
+__all__ = ["SLAB_COUNTS", "faster_in_slabs", "fit_in_slabs"]
 
 log = logging.getLogger("lms.orchestration.split")
 
@@ -35,6 +36,7 @@ def fit_in_slabs(
     half: bool = False,
     free_held: bool = False,
     trace: Trace | None = None,
+    allowed: bool = True,
 ) -> Trace:
     """The step's trace to plan: as it is where some plan fits ``budget``, else traced again
     with submodules in slabs until one does.
@@ -45,14 +47,19 @@ def fit_in_slabs(
     run in slabs, if it has a convolution over a spatial input; then the step is traced again
     and its floor found again. A submodule named twice gets the next count of `SLAB_COUNTS`.
     It stops at the first trace whose floor fits, so each submodule has the fewest slabs that
-    fit. Where none fits, the step is planned whole, and the planner's own error says why.
+    fit (a few slabs may need more than the whole module: each slab's gradient is made apart
+    before they are joined). Where none fits, the step is planned whole, and the planner's own
+    error says why.
 
     Args:
         trace_with: ``trace_with(slabs=...)`` traces the step with the given submodules in
             slabs (as `trace_step` takes them).
         trace: the step traced whole, where the caller has it.
+        allowed: False: the step as it is, whatever its floor (`lms.LMSConfig.slabs`).
     """
     whole = trace if trace is not None else trace_with(slabs={})
+    if not allowed or budget < whole.param_bytes + whole.buffer_bytes + whole.input_bytes:
+        return whole  # no slab holds less than the weights and the batch
     current, slabs = whole, dict[str, int]()
     for _ in range(_ROUNDS):
         error = _floor_error(current, spec, budget, half=half, free_held=free_held)
@@ -118,3 +125,81 @@ def _unit(trace: Trace, module: str) -> str | None:
         for op in trace.ops
     )
     return parts[1] if convolves else None
+
+
+def faster_in_slabs(
+    trace_with: Callable[..., Trace],
+    trace: Trace,
+    planned: tuple[Plan, SimResult],
+    planner: Callable[[Trace], Plan],
+    spec: DeviceSpec,
+    *,
+    half: bool = False,
+    allowed: bool = True,
+    spec_for: Callable[[Trace], DeviceSpec] | None = None,
+) -> tuple[Trace, Plan, SimResult]:
+    """The step, its plan and their simulation, with submodules in more slabs where that is
+    predicted faster; a step that runs none in slabs stays whole.
+
+    Note: [Slabs that make a step faster]
+    The fewest slabs that fit leave a plan at its floor, moving or recomputing nearly
+    everything it saves; more slabs lower the floor and give the plan room. Once a step runs in
+    slabs, and so is no longer bitwise the whole module's, the plan found is tried with each
+    submodule in twice as many slabs, and with the submodule where that plan peaks in slabs too,
+    the step traced and planned again;
+    the faster of the two stands, by more than `_FASTER` of its step, and the climb goes on
+    from it, `_CLIMBS` times at most; plans within `_WORTH_A_TRY` of their step are left as
+    they are. The simulator judges each by its whole step time, slabs' own cost (halos read
+    twice, more kernels) included. A step that fits whole is never split for speed: its plan
+    keeps the gradients bitwise.
+
+    Args:
+        planned: the plan for ``trace`` and its simulation.
+        planner: ``planner(trace)`` plans a trace for the budget (raises
+            `PlanInfeasibleError` where none fits).
+        allowed: False: ``trace`` and ``planned`` as they are (`lms.LMSConfig.slabs`).
+        spec_for: the spec a trace tried is priced on (with the op times measured for it, as
+            `LMS.tune` prices); default ``spec``. ``planner`` must plan on the same.
+    """
+    best = (trace, *planned)
+    if not allowed or not trace.slabs or planned[1].overhead < _WORTH_A_TRY:
+        return best
+    for _ in range(_CLIMBS):
+        current, _, result = best
+        slabs = dict(current.slabs)
+        if slabs:
+            slabs = {name: min(2 * count, SLAB_COUNTS[-1]) for name, count in slabs.items()}
+        peak = current.ops[result.peak_op].module if current.ops else ""
+        unit = _unit(current, peak)
+        if unit is not None and unit not in slabs:
+            slabs[unit] = SLAB_COUNTS[0]
+        if slabs == dict(current.slabs):
+            break
+        try:
+            tried = trace_with(slabs=slabs)
+            plan = planner(tried)
+        except (SplitError, PlanInfeasibleError):
+            break
+        simulated = simulate(tried, plan, spec_for(tried) if spec_for else spec, half=half)
+        if simulated.step_s >= result.step_s * (1 - _FASTER):
+            break
+        log.info(
+            "[LMS] In slabs (%s) the plan is predicted at %.4f s a step, against %.4f s",
+            ", ".join(f"{name} in {count}" for name, count in sorted(slabs.items())),
+            simulated.step_s,
+            result.step_s,
+        )
+        best = (tried, plan, simulated)
+    return best
+
+
+_FASTER = 0.02
+"""How much faster a step in more slabs must be predicted, as a share of its step, to stand:
+below it, the simulator's own error decides."""
+
+_CLIMBS = 3
+"""Tries at most, each a trace and a plan."""
+
+_WORTH_A_TRY = 0.05
+"""A plan predicted within this share of its step without offload leaves slabs too little to
+win for the trace and the plan they cost."""

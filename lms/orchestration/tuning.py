@@ -22,9 +22,16 @@ from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.core.units import format_bytes
 from lms.core.version import __version__
-from lms.orchestration.cache import cache_folder, cache_path, load_cached, planner_code, save_plan
+from lms.orchestration.cache import (
+    cache_folder,
+    cache_path,
+    cached_slabs,
+    load_cached,
+    planner_code,
+    save_plan,
+)
 from lms.orchestration.local import local_device_spec, with_local_timings
-from lms.orchestration.split import fit_in_slabs
+from lms.orchestration.split import faster_in_slabs, fit_in_slabs
 from lms.planning.candidates import Candidates
 from lms.planning.minimum import smallest_plan
 
@@ -66,6 +73,7 @@ def tune_step(
     host_budget_bytes: int | None = None,
     spill_dir: str | None = None,
     free_held: bool = False,
+    slabs: bool = True,
     cpu_resident: bool = True,
 ) -> TunedStep:
     """Trace ``step_fn(model, batch)`` under fake tensors and plan it for the model's device.
@@ -75,9 +83,10 @@ def tune_step(
     (`lms.orchestration.cache`).
     On a GPU, offloaded data beyond ``host_budget_bytes`` is planned into spill files (tier
     "auto"), or refused (tier "host"). ``free_held``: the plan may empty what the step's code
-    holds (`lms.LMSConfig.free_held`). ``cpu_resident``: on a CPU, whether the runtime gives
-    freed memory back as it runs (`lms.LMSConfig.cpu_resident`), which sets which storages fault
-    their pages in afresh.
+    holds (`lms.LMSConfig.free_held`). ``slabs``: where no plan of the whole step fits, the
+    plan may run submodules in slabs (`lms.LMSConfig.slabs`). ``cpu_resident``: on a CPU,
+    whether the runtime gives freed memory back as it runs (`lms.LMSConfig.cpu_resident`), which
+    sets which storages fault their pages in afresh.
 
     Raises:
         PlanInfeasibleError: when no plan fits the device budget.
@@ -114,36 +123,62 @@ def tune_step(
     chooser = getattr(choose, "__qualname__", type(choose).__qualname__)
     setting = (where, __version__, planner_code(), half, chooser, *(["free_held"] * free_held))
     path = cache_path(cache_folder(cache_dir), trace, budget, setting)
+    traced = functools.partial(
+        trace_step,
+        model,
+        batch,
+        step_fn,
+        device=device,
+        autocast=autocast,
+        min_offload_bytes=min_offload_bytes,
+        name=type(model).__name__,
+    )
+    kept = cached_slabs(path) if slabs else ()
+    if kept:  # the plan kept was made for the step in slabs: check it against that trace
+        trace = traced(slabs=dict(kept))
     loaded = load_cached(path, trace, spec, budget, half=half, free_held=free_held)
     if loaded is not None:
         plan = loaded
     else:
         trace = fit_in_slabs(
-            functools.partial(
-                trace_step,
-                model,
-                batch,
-                step_fn,
-                device=device,
-                autocast=autocast,
-                min_offload_bytes=min_offload_bytes,
-                name=type(model).__name__,
-            ),
+            traced,
             spec,
             budget,
             half=half,
             free_held=free_held,
             trace=trace,
+            allowed=slabs,
         )
         _refuse_below_floor(trace, spec, budget, half=half, free_held=free_held)
-        spec = with_local_timings(spec, trace, device, budget)
         if trace.compiled:
             log.info(
                 "[LMS] The model or the step is compiled: its plan recomputes nothing, since "
                 "a replay would run it uncompiled (Note [Compiled models are not replayed])"
             )
         options = {"free_held": True} if free_held else {}
-        plan = choose(trace, spec, budget, half=half, **options)
+        untimed, timed = spec, dict[str, DeviceSpec]()
+
+        def spec_for(step: Trace) -> DeviceSpec:  # each trace priced with its own op times
+            key = step.fingerprint()
+            if key not in timed:
+                timed[key] = with_local_timings(untimed, step, device, budget)
+            return timed[key]
+
+        def planner(step: Trace) -> Plan:
+            return choose(step, spec_for(step), budget, half=half, **options)
+
+        plan = planner(trace)
+        trace, plan, _ = faster_in_slabs(
+            traced,
+            trace,
+            (plan, simulate(trace, plan, spec_for(trace), half=half)),
+            planner,
+            untimed,
+            half=half,
+            allowed=slabs,
+            spec_for=spec_for,
+        )
+        spec = spec_for(trace)
         # Note [The first step prefetches in the traced order]
         plan = dataclasses.replace(plan, use_order=trace.use_order, slabs=trace.slabs)
     # A cached plan too: the host budget and the spill disk's free space may differ now.

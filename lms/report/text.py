@@ -40,6 +40,12 @@ def info_lines(
         f"{format_bytes(spec.workspace_bytes)} workspace margin) on {spec.name} with "
         f"{format_bytes(budget_bytes)} for the step",
     ]
+    if trace.slabs:
+        lines.append(
+            "[LMS] In slabs along the first spatial dimension (Note [Slabs]): "
+            + ", ".join(f"{name} in {count}" for name, count in trace.slabs)
+            + "; the figures below are of the step so"
+        )
     scratch = max(trace.ops, key=lambda op: op.cpu_scratch_bytes, default=None)
     if spec.cpu_scratch and scratch is not None and scratch.cpu_scratch_bytes:
         lines.append(

@@ -307,6 +307,7 @@ class LMS:
             host_budget_bytes=self._offloader.host_limit_bytes,
             spill_dir=self.config.spill_dir,
             free_held=self.config.free_held,
+            slabs=self.config.slabs,
             cpu_resident=self.config.cpu_resident,
         )
         self.plan = tuned.plan

@@ -569,3 +569,44 @@ def test_gaps_in_what_the_code_holds_are_bitwise_on_cuda(deterministic_cudnn, sp
         assert_bitwise(run_step(reference, (x,)), run_step(model, (x,), offload))
         assert offload.stats.gap_fills == step * len(plan.held_gaps)
     offload.close()
+
+
+def test_a_3d_unet_in_slabs_is_followed_bitwise_and_peaks_under_its_budget_on_cuda(
+    deterministic_cudnn, spill_dir
+):
+    """A budget below what any plan of the whole step needs: the tuned plan runs submodules in
+    slabs (Note [Slabs]); its steps are bitwise those of the same slabs without LMS, and the
+    allocator's peak stays under the budget."""
+    import copy
+
+    from monai.networks.nets import BasicUNet
+
+    from lms.core.slabs import split_modules
+
+    torch.manual_seed(0)
+    model = BasicUNet(spatial_dims=3, in_channels=1, out_channels=2).cuda()
+    x = torch.randn(1, 1, 128, 128, 128, device="cuda")
+
+    def step(m, batch):
+        loss = m(*batch).square().mean()
+        loss.backward()
+        return loss
+
+    with pytest.raises(lms.PlanInfeasibleError) as info:
+        lms.LMS(budget=1, slabs=False).tune(model, [x], step)
+    budget = int(info.value.min_budget_bytes * 0.85)
+    offload = lms.LMS(budget=budget, tier="host", spill_dir=spill_dir, free_held=True)
+    plan = offload.tune(model, [x], step)
+    assert plan.slabs, plan
+    reference = copy.deepcopy(model)
+    for _ in range(2):
+        with split_modules(reference, dict(plan.slabs)):
+            expected = run_step(reference, (x,))
+        reference.zero_grad(set_to_none=True)
+        # what the reference keeps on the card, beside what the budget was planned for
+        foreign = sum(t.nbytes for t in [*reference.parameters(), *expected[1]])
+        torch.cuda.reset_peak_memory_stats()
+        got = run_step(model, (x,), offload)
+        assert_bitwise(expected, got)
+        assert torch.cuda.max_memory_allocated() <= budget + foreign
+    offload.close()

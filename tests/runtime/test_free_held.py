@@ -218,7 +218,7 @@ MEASURED = (
     budget, folder = int(sys.argv[1]), sys.argv[2]
     infeasible = None
     try:  # without free_held
-        lms.LMS(budget=budget, tier="disk", spill_dir=folder).tune(
+        lms.LMS(budget=budget, tier="disk", spill_dir=folder, slabs=False).tune(
             model, [x], step, cache_dir=folder + "/plans")
     except lms.PlanInfeasibleError as error:
         infeasible = error.min_budget_bytes
@@ -423,7 +423,7 @@ UNET = COMMON + textwrap.dedent(
     budget = before + 129 * 2**20
     refused = None
     try:
-        lms.LMS(budget=budget, tier="disk", spill_dir=folder).tune(
+        lms.LMS(budget=budget, tier="disk", spill_dir=folder, slabs=False).tune(
             model, [x], step, cache_dir=folder + "/plans")
     except lms.PlanInfeasibleError as error:
         refused = error.min_budget_bytes
@@ -443,8 +443,9 @@ UNET = COMMON + textwrap.dedent(
 
 
 def test_a_3d_unet_trains_on_disk_under_a_budget_its_held_encoder_outputs_would_break(spill_dir):
-    """Without emptying what the code holds, no plan fits this budget; with it the U-Net's steps
-    are bitwise, and the C heap grows as simulated (within 2%) and within the budget."""
+    """Without emptying what the code holds (or slabs), no plan fits this budget; with it the
+    U-Net's steps are bitwise, and the C heap grows as simulated (within 2%) and within the
+    budget."""
     found = script_json(UNET, spill_dir)
     assert found["refused"] is not None and found["refused"] > found["budget"], found
     assert found["emptied"] > 0 and found["bitwise"], found

@@ -2,6 +2,7 @@
 chosen only where no plan of the whole step fits, followed exactly by the runtime, and within
 the budget on the disk tier."""
 
+import logging
 import textwrap
 
 import pytest
@@ -108,3 +109,57 @@ def test_the_runtime_runs_the_plans_slabs_and_gives_the_module_back():
     with lms.LMS(plan=plan, model=model, budget="1GiB"):
         step(model, [x])
     assert seen == [True] and "forward" not in model[1].__dict__
+
+
+def _small_unet():
+    from monai.networks.nets import BasicUNet
+
+    torch.manual_seed(0)
+    return BasicUNet(spatial_dims=3, in_channels=1, out_channels=2, features=(4, 4, 8, 8, 8, 4))
+
+
+def _unet_step(model, batch):
+    loss = model(*batch).square().mean()
+    loss.backward()
+    return loss
+
+
+def test_analyze_plans_in_slabs_only_where_allowed_and_needed():
+    """At a budget below the whole step's floor, `analyze` plans the step in slabs and says
+    so; with ``slabs=False`` it finds no plan; at a budget the whole step fits, no slabs."""
+    from lms.orchestration.split import _floor_error
+
+    model, x = _small_unet(), torch.randn(1, 1, 64, 64, 64)
+    spec = lms.device_spec("cpu")  # no workspace margin: the tensors set the floor
+    whole = lms.analyze(model, [x], _unet_step, gpu_memory="64GiB", device_spec=spec)
+    floor = _floor_error(whole.trace, spec, 1, half=False, free_held=False).min_budget_bytes
+    budget = int(floor * 0.9)
+    split = lms.analyze(model, [x], _unet_step, gpu_memory=budget, device_spec=spec)
+    assert split.fits and split.plan is not None and split.plan.slabs == split.trace.slabs
+    assert split.trace.slabs and any("In slabs" in line for line in split.lines())
+    assert split.planned is not None and split.planned.peak_bytes <= budget
+    refused = lms.analyze(model, [x], _unet_step, gpu_memory=budget, device_spec=spec, slabs=False)
+    assert not refused.fits and refused.trace.slabs == ()
+    roomy = lms.analyze(model, [x], _unet_step, gpu_memory=int(floor * 1.2), device_spec=spec)
+    assert roomy.trace.slabs == ()
+
+
+def test_a_tuned_plan_in_slabs_is_cached_and_loaded_for_its_step(tmp_path, caplog):
+    from lms.orchestration.split import _floor_error
+
+    model, x = _small_unet(), torch.randn(1, 1, 48, 48, 48)
+    from lms.analysis import trace_step
+    from lms.orchestration.local import local_device_spec
+
+    whole = trace_step(model, [x], _unet_step, device="cpu")
+    spec = local_device_spec(torch.device("cpu"))
+    floor = _floor_error(whole, spec, 1, half=False, free_held=False).min_budget_bytes
+    budget = int(floor * 0.9)
+    first = lms.LMS(budget=budget).tune(model, [x], _unet_step, cache_dir=str(tmp_path))
+    assert first.slabs
+    with caplog.at_level(logging.INFO, logger="lms"):
+        again = lms.LMS(budget=budget).tune(model, [x], _unet_step, cache_dir=str(tmp_path))
+    assert again == first
+    assert any("Loaded the plan" in r.getMessage() for r in caplog.records)
+    with pytest.raises(lms.PlanInfeasibleError):
+        lms.LMS(budget=budget, slabs=False).tune(model, [x], _unet_step, cache_dir=str(tmp_path))

@@ -28,10 +28,11 @@ if TYPE_CHECKING:
     from lms.core.plan import Plan
     from lms.core.units import format_bytes, parse_bytes
     from lms.orchestration.analyze import Report, analyze
-    from lms.runtime import LMS, LMSStats, no_offload, no_offload_in
+    from lms.orchestration.session import LMS
+    from lms.runtime import LMSStats, no_offload, no_offload_in
 
 _WHERE = {
-    "LMS": "lms.runtime",
+    "LMS": "lms.orchestration.session",
     "LMSStats": "lms.runtime",
     "no_offload": "lms.runtime",
     "no_offload_in": "lms.runtime",

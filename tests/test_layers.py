@@ -27,10 +27,6 @@ LAYERS = {
     "lms": 6,
 }
 
-# The one arrow up, and why: `LMS.tune` hands the user's step to the tuner, which sits above the
-# runtime because it runs the simulator and the planners; the runtime imports it only when called.
-NARROW_ENTRIES = {("lms.runtime.session", "lms.orchestration.tuning")}
-
 
 def _module_name(path: pathlib.Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -90,12 +86,10 @@ def _all_imports() -> list[tuple[str, str, int, bool]]:
 def _wrong(rows: list[tuple[str, str, int, bool]]) -> list[str]:
     """The imports among ``rows`` that run up the layers or sideways."""
     wrong = []
-    for module, imported, line, top in rows:
+    for module, imported, line, _ in rows:
         here, rank = _layer(module)
         there, other = _layer(imported)
         if here == there or other < rank:
-            continue
-        if (module, imported) in NARROW_ENTRIES and not top:
             continue
         wrong.append(f"{module}:{line} imports {imported} ({there}, layer {other} >= {rank})")
     return wrong
@@ -109,12 +103,6 @@ def test_every_module_has_a_layer():
 def test_no_import_runs_up_or_sideways():
     wrong = _wrong(_all_imports())
     assert not wrong, "\n".join(wrong)
-
-
-def test_the_narrow_entry_is_imported_inside_a_function_only():
-    for module, imported, line, top in _all_imports():
-        if (module, imported) in NARROW_ENTRIES:
-            assert not top, f"{module}:{line} imports {imported} at module level"
 
 
 def test_the_core_never_touches_cuda():
@@ -147,7 +135,7 @@ def test_a_lower_layer_imports_alone(package, tmp_path):
 
 
 def test_the_check_sees_an_arrow_up(tmp_path):
-    """A lazy import up, one sideways and the narrow entry at module level are all caught."""
+    """A lazy import up, one at module level and one sideways are all caught."""
     source = tmp_path / "probe.py"
     source.write_text(
         "from lms.core import units\n"

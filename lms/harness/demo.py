@@ -20,7 +20,7 @@ from lms.harness.memory import SampledSteps, tensors_bytes
 from lms.harness.zoo import zoo_model
 from lms.orchestration.analyze import report_for
 from lms.orchestration.local import local_device_spec, with_local_timings
-from lms.runtime import LMS
+from lms.orchestration.session import LMS
 
 __all__ = ["run_demo"]
 

@@ -31,7 +31,7 @@ from lms.core.keep import no_offload_in, submodules
 from lms.core.units import check_counts, format_bytes, format_rate
 from lms.harness.memory import SampledSteps, tensors_bytes
 from lms.harness.zoo import ZOO, ZooModel, zoo_model
-from lms.runtime import LMS
+from lms.orchestration.session import LMS
 
 __all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks"]
 

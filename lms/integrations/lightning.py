@@ -24,7 +24,7 @@ except ImportError:  # the older standalone package
 from lms.core.config import LMSConfig
 from lms.core.keep import NoOffloadIn, no_offload_in, submodules
 from lms.core.plan import Plan
-from lms.runtime.session import LMS
+from lms.orchestration.session import LMS
 
 __all__ = ["LMSCallback"]
 

@@ -16,7 +16,7 @@ import functools
 import logging
 from typing import Any
 
-from lms.runtime.session import LMS
+from lms.orchestration.session import LMS
 
 __all__ = ["offload_trainer"]
 

@@ -37,6 +37,7 @@ def fit_in_slabs(
     free_held: bool = False,
     trace: Trace | None = None,
     allowed: bool = True,
+    refuse: bool = False,
 ) -> Trace:
     """The step's trace to plan: as it is where some plan fits ``budget``, else traced again
     with submodules in slabs until one does.
@@ -56,13 +57,18 @@ def fit_in_slabs(
             slabs (as `trace_step` takes them).
         trace: the step traced whole, where the caller has it.
         allowed: False: the step as it is, whatever its floor (`lms.LMSConfig.slabs`).
+        refuse: where no trace fits, raise the whole step's error rather than return it. The
+            floor is the memory of every saved tensor out, copies waited for, which no op's
+            time moves: a budget below it is refused before any op is timed.
+
+    Raises:
+        PlanInfeasibleError: with ``refuse``, where no plan fits, even in slabs.
     """
     whole = trace if trace is not None else trace_with(slabs={})
-    if not allowed or budget < whole.param_bytes + whole.buffer_bytes + whole.input_bytes:
-        return whole  # no slab holds less than the weights and the batch
-    current, slabs = whole, dict[str, int]()
-    for _ in range(_ROUNDS):
-        error = _floor_error(current, spec, budget, half=half, free_held=free_held)
+    first = _floor_error(whole, spec, budget, half=half, free_held=free_held)
+    hopeless = budget < whole.param_bytes + whole.buffer_bytes + whole.input_bytes
+    current, slabs, error = whole, dict[str, int](), first
+    for _ in range(_ROUNDS if allowed and not hopeless else 0):  # no slab holds the weights less
         if error is None:
             if slabs:
                 log.info(
@@ -70,7 +76,7 @@ def fit_in_slabs(
                     "the least a plan needs falls from %s to within the budget of %s; without "
                     "offload, a step in slabs is predicted at %.4f s against %.4f s whole",
                     ", ".join(f"{name} in {count}" for name, count in sorted(slabs.items())),
-                    format_bytes(_floor_bytes(whole, spec, budget, half, free_held)),
+                    format_bytes(first.min_budget_bytes if first else budget),
                     format_bytes(budget),
                     simulate(current, None, spec, half=half).step_s,
                     simulate(whole, None, spec, half=half).step_s,
@@ -90,6 +96,9 @@ def fit_in_slabs(
         except SplitError as refused:
             log.info("[LMS] %s", str(refused).removeprefix("lms: "))
             break
+        error = _floor_error(current, spec, budget, half=half, free_held=free_held)
+    if first is not None and refuse:
+        raise first
     return whole
 
 
@@ -105,11 +114,6 @@ def _floor_error(
     except PlanInfeasibleError as error:
         return error
     return None
-
-
-def _floor_bytes(trace: Trace, spec: DeviceSpec, budget: int, half: bool, free_held: bool) -> int:
-    error = _floor_error(trace, spec, budget, half=half, free_held=free_held)
-    return error.min_budget_bytes if error is not None else budget
 
 
 def _unit(trace: Trace, module: str) -> str | None:

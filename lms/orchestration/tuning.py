@@ -32,8 +32,6 @@ from lms.orchestration.cache import (
 )
 from lms.orchestration.local import local_device_spec, with_local_timings
 from lms.orchestration.split import faster_in_slabs, fit_in_slabs
-from lms.planning.candidates import Candidates
-from lms.planning.minimum import smallest_plan
 
 __all__ = ["TunedStep", "check_offload_room", "tune_plan", "tune_step"]
 
@@ -148,8 +146,8 @@ def tune_step(
             free_held=free_held,
             trace=trace,
             allowed=slabs,
+            refuse=True,
         )
-        _refuse_below_floor(trace, spec, budget, half=half, free_held=free_held)
         if trace.compiled:
             log.info(
                 "[LMS] The model or the step is compiled: its plan recomputes nothing, since "
@@ -256,18 +254,3 @@ def check_offload_room(
             len(plan.spill),
             format_bytes(result.disk_peak_bytes),
         )
-
-
-def _refuse_below_floor(
-    trace: Trace, spec: DeviceSpec, budget: int, *, half: bool, free_held: bool
-) -> None:
-    """Raise the planner's `PlanInfeasibleError` for a budget below the least any plan needs,
-    before the step's ops are timed: that floor is the memory of every saved tensor out, copies
-    waited for, which no op's time moves.
-
-    Raises:
-        PlanInfeasibleError: ``budget`` is below the floor.
-    """
-    candidates = Candidates(trace, spec, budget, half, free_held=free_held, gaps=free_held)
-    if not candidates.fits(candidates.run(None)):
-        smallest_plan(candidates)

@@ -1,4 +1,4 @@
-"""`lms.LMS`: the runtime. Saved-tensor hooks that move activations out and bring them back.
+"""`lms.LMS`'s runtime: saved-tensor hooks that move activations out and bring them back.
 
 One ``with`` block is one training step. Backward may run inside the block or after it.
 """
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from typing_extensions import Unpack
+from typing_extensions import Self, Unpack
 
 from lms.core import policy
 from lms.core.config import LMSConfig, LMSSettings
@@ -50,32 +50,16 @@ from lms.runtime.step import Handle, Kept, Step, Wrapped, storage_bytes
 from lms.runtime.steplog import StepLog
 from lms.runtime.store import Entry, Offloader
 
-__all__ = ["LMS", "no_offload", "no_offload_in"]
+__all__ = ["Session", "no_offload", "no_offload_in"]
 
 log = logging.getLogger("lms.runtime")
 
 
 # Long by design: the context manager's public surface (settings, hooks, tune, close, stats)
 # in one class; the work is in `follow`, `step`, `store`, `recompute` and `relief`.
-class LMS:
-    """Offload saved activations of a training step to host memory or disk, and bring them back.
-
-    Use one object for the whole run and one ``with`` block per step: it records the first step
-    and decides at save time from the second on, and it reuses its host buffers.
-
-    Example::
-
-        offload = lms.LMS(budget="10GiB")
-        for x, y in loader:
-            with offload:
-                loss = loss_fn(model(x), y)
-                loss.backward()
-            optimizer.step()
-
-    Args are those of `lms.LMSConfig` (all keyword-only); ``config`` passes a ready one instead.
-    ``model`` (a module or several) names the models the steps run: their parameters and buffers
-    stay, known from the start (`tune` notes its model too). Without it, a hook on every module
-    call finds them, which splits a model compiled in place into more graphs.
+class Session:
+    """The runtime of `lms.LMS`, without its planning (`lms.LMS.tune`, a layer above): the
+    saved-tensor hooks, the stores and the step's state. `lms.LMS` documents its use.
 
     Attributes:
         stats: what the runtime moved and what it cost (`lms.LMSStats`), over every step.
@@ -168,7 +152,7 @@ class LMS:
         return self._tuned
 
     # -- context ---------------------------------------------------------------------------
-    def __enter__(self) -> LMS:
+    def __enter__(self) -> Self:
         # Note: [One step at a time]
         # One LMS object runs one step at a time: its step state, hooks and stores are the step's.
         # The check and the claim are one action under the lock, so that of two threads entering
@@ -195,7 +179,7 @@ class LMS:
                 self._log.end(self.stats.as_dict())
             raise
 
-    def _enter(self) -> LMS:
+    def _enter(self) -> Self:
         if self.plan is not None and self.plan.slabs:  # first: it may refuse
             model = self._split_model()
             self._split = contextlib.ExitStack()
@@ -276,47 +260,27 @@ class LMS:
                 self._offloader.tidy()
             self._offloader.raise_error()
 
-    def tune(
+    @property
+    def host_limit_bytes(self) -> int:
+        """The host memory offloaded data may hold (`lms.LMSConfig.host_budget`, resolved)."""
+        return self._offloader.host_limit_bytes
+
+    def adopt(
         self,
-        model: torch.nn.Module,
-        batch: Any,
-        step_fn: Any = None,
+        plan: Plan,
         *,
-        autocast: torch.dtype | None = None,
-        cache_dir: str | None = None,
+        priced_on: tuple[Trace, DeviceSpec, bool],
+        model: torch.nn.Module,
     ) -> Plan:
-        """Plan before the first step: trace ``step_fn(model, batch)`` with fake tensors, plan it
-        for this device and budget, and follow the plan from then on.
-
-        Raises:
-            PlanInfeasibleError: before any training, when no plan fits the budget.
-            HostMemoryError: with tier "host", when the offloaded data cannot fit in host memory.
-            SpillError: when the spill files the plan needs do not fit on the spill disk.
-        """
-        from lms.orchestration.tuning import tune_step
-
-        tuned = tune_step(
-            model,
-            batch,
-            step_fn,
-            budget_bytes=self.config.budget_bytes,
-            min_offload_bytes=self.config.min_offload,
-            autocast=autocast,
-            cache_dir=cache_dir,
-            tier=self.config.tier,
-            host_budget_bytes=self._offloader.host_limit_bytes,
-            spill_dir=self.config.spill_dir,
-            free_held=self.config.free_held,
-            slabs=self.config.slabs,
-            cpu_resident=self.config.cpu_resident,
-        )
-        self.plan = tuned.plan
-        self._tuned = (tuned.trace, tuned.spec, tuned.half)
-        self._offloader.sync_out = self.config.sync_out or SyncMode(self.plan.sync_mode).waits_out
+        """Follow ``plan`` from the next step on: the plan `lms.LMS.tune` made for ``model``,
+        and what it was priced on (the trace, the device spec, whether at half precision)."""
+        self.plan = plan
+        self._tuned = priced_on
+        self._offloader.sync_out = self.config.sync_out or SyncMode(plan.sync_mode).waits_out
         self._keep.note_model(model)  # as in the trace
         if all(known is not model for known in self._models):
             self._models.append(model)
-        return self.plan
+        return plan
 
     def _split_model(self) -> torch.nn.Module:
         """The model whose submodules the plan runs in slabs.

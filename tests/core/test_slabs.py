@@ -15,11 +15,11 @@ class Block(nn.Module):
     """What a U-Net's decoder does at full resolution: concatenate two inputs along the
     channels, pad across the other dims, then convolution, norm, activation twice."""
 
-    def __init__(self, norm, dims=3, kernel=3, dilation=1):
+    def __init__(self, norm, dims=3, kernel=3, dilation=1, stride=1):
         super().__init__()
         conv = nn.Conv3d if dims == 3 else nn.Conv2d
         pad = dilation * (kernel - 1) // 2
-        self.a = conv(8, 6, kernel, padding=pad, dilation=dilation)
+        self.a = conv(8, 6, kernel, padding=pad, dilation=dilation, stride=stride)
         self.na = norm(6)
         self.b = conv(6, 4, kernel, padding="same", bias=False)
         self.nb = norm(4)
@@ -79,7 +79,9 @@ def test_a_step_in_slabs_is_exact_in_float64(norm, slabs):
         assert torch.allclose(buffer.double(), split.double(), rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("conv", [{"kernel": 5}, {"kernel": 3, "dilation": 2}])
+@pytest.mark.parametrize(
+    "conv", [{"kernel": 5}, {"kernel": 3, "dilation": 2}, {"kernel": 3, "stride": 2}]
+)
 def test_wider_kernels_read_wider_halos_in_two_dims(conv):
     torch.manual_seed(0)
     norm = lambda c: nn.InstanceNorm2d(c, affine=True)  # noqa: E731

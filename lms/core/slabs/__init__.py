@@ -6,8 +6,8 @@ A module's forward is recorded once per input shape as the torch functions it ca
 tensors, with every tracer's modes and module hooks set aside), then replayed with each value in
 one of three forms: whole (a tensor), stored (its slabs along dim 2, one tensor each) or lazy (a
 pointwise function of other values, evaluated a piece at a time where a consumer reads it).
-- A convolution with stride 1 along dim 2 runs a slab at a time on its input's rows plus the
-  halo its kernel reads (zeros past the edges, as its padding), and its output is stored.
+- A convolution runs a slab of its output at a time on the input rows that slab reads (its
+  halo, and its stride; zeros past the edges, as its padding), and its output is stored.
 - A normalization (batch, instance, group) takes its statistics from every slab first (each
   slab's variance and mean, combined as Chan et al. combine them), then normalizes lazily.
 - Pointwise functions, concatenation along channels and padding across the other dims stay

@@ -140,15 +140,15 @@ def _conv(call: Call, args: Any, kwargs: Any, slabs: int) -> Stored | None:
             return None
         padding = tuple(t // 2 for t in totals)
     padding = _triple(padding, spatial)
-    if stride[0] != 1:
-        return None
     reach = dilation[0] * (kernel[0] - 1)
     out_depth = call.shapes[0][DIM]
     bounds = slab_bounds(out_depth, slabs)
     parts = []
     bias_tensor = whole_of(bias)
     for a, b in zip(bounds, bounds[1:], strict=False):
-        lo, hi = a - padding[0], b - padding[0] + reach
+        # output rows a..b-1 read input rows a*stride - padding up to (b-1)*stride - padding +
+        # reach, zeros past the edges as the padding is
+        lo, hi = a * stride[0] - padding[0], (b - 1) * stride[0] - padding[0] + reach + 1
         start, stop = max(lo, 0), min(hi, x.depth)
         rows = x.piece(start, stop)
         if start > lo or stop < hi:

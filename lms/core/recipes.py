@@ -33,6 +33,7 @@ RECOMPUTABLE_OPS = frozenset(
         "native_batch_norm.default",
         "_native_batch_norm_legit.default",
         "_native_batch_norm_legit.no_stats",
+        "_native_batch_norm_legit_no_training.default",
         "cudnn_batch_norm.default",
         "native_layer_norm.default",
         "relu.default",

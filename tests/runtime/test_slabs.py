@@ -2,6 +2,7 @@
 chosen only where no plan of the whole step fits, followed exactly by the runtime, and within
 the budget on the disk tier."""
 
+import dataclasses
 import logging
 import textwrap
 
@@ -163,3 +164,41 @@ def test_a_tuned_plan_in_slabs_is_cached_and_loaded_for_its_step(tmp_path, caplo
     assert any("Loaded the plan" in r.getMessage() for r in caplog.records)
     with pytest.raises(lms.PlanInfeasibleError):
         lms.LMS(budget=budget, slabs=False).tune(model, [x], _unet_step, cache_dir=str(tmp_path))
+
+
+def test_what_a_module_in_slabs_saves_is_recomputed_as_the_plan_says(spill_dir):
+    """Each recomputable storage of the step in slabs remade in backward (the normalized
+    pieces among them): every one the plan names is replayed, bitwise."""
+    from lms.analysis import trace_step
+    from lms.core.recipes import recipes
+    from lms.core.slabs import split_modules
+    from tests.conftest import assert_bitwise, run_step
+    from tests.planning.test_recompute import _plan_recomputing
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv3d(1, 4, 3, padding=1),
+        torch.nn.Sequential(
+            torch.nn.Conv3d(4, 4, 3, padding=1),
+            torch.nn.InstanceNorm3d(4, affine=True),
+            torch.nn.LeakyReLU(0.1, inplace=True),
+            torch.nn.Conv3d(4, 4, 3, padding=1),
+        ),
+    )
+    x = torch.randn(1, 1, 16, 8, 8)
+    slabs = {"1": 4}
+    trace = trace_step(model, [x], None, device="cpu", min_offload_bytes=0, slabs=slabs)
+    normalized = {
+        ordinal
+        for ordinal, recipe in recipes(trace).items()
+        if trace.ops[recipe.ops[0]].name == "aten._native_batch_norm_legit_no_training.default"
+    }
+    assert len(normalized) >= 4
+    plan = dataclasses.replace(_plan_recomputing(trace, normalized), slabs=tuple(slabs.items()))
+    with split_modules(model, slabs):
+        reference = run_step(model, [x])
+    offload = lms.LMS(plan=plan, model=model, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
+    for step in (1, 2):
+        assert_bitwise(reference, run_step(model, [x], offload))
+        assert offload.stats.recomputed_tensors == step * len(plan.recompute)
+    offload.close()

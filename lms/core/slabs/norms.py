@@ -23,7 +23,9 @@ class Normalize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, mean, var, weight, bias, eps):  # type: ignore[no-untyped-def,override]
         flat, w, b, m, v = as_batch_norm(x, mean, var, weight, bias)
-        out = torch.batch_norm(flat, w, b, m, v, False, 0.0, eps, torch.backends.cudnn.enabled)
+        # the statistics as inputs the op does not write (batch_norm's schema marks its running
+        # statistics written), so that a replay of it may read them again
+        out = torch.ops.aten._native_batch_norm_legit_no_training(flat, w, b, m, v, 0.0, eps)[0]
         ctx.save_for_backward(x, mean, var, weight)
         ctx.eps, ctx.has_bias = eps, bias is not None
         return out.view(x.shape).to(x.dtype) if out.shape != x.shape else out.to(x.dtype)
@@ -62,8 +64,12 @@ def as_batch_norm(
     wide = widened(x)
     per = mean.numel() // x.shape[1]  # 1 for statistics per channel, N per sample and channel
     flat = wide.reshape(1, -1, *x.shape[2:]) if per > 1 else wide
-    w = None if weight is None else weight.reshape(-1).to(wide.dtype).repeat(per)
-    b = None if bias is None else bias.reshape(-1).to(wide.dtype).repeat(per)
+    # one sample: the parameters themselves, which a replay reads as they are
+    w = None if weight is None else weight.reshape(-1).to(wide.dtype)
+    b = None if bias is None else bias.reshape(-1).to(wide.dtype)
+    if per > 1:
+        w = None if w is None else w.repeat(per)
+        b = None if b is None else b.repeat(per)
     return flat, w, b, mean.reshape(-1).to(wide.dtype), var.reshape(-1).to(wide.dtype)
 
 

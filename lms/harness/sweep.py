@@ -75,15 +75,17 @@ def sweep(
     rejected: list[int] = []
     while max_size is None or size <= max_size:
         started = time.perf_counter()
+        traced = functools.partial(
+            trace_step,
+            entry.build,
+            _batch_of(entry, size, batch_size),
+            entry.step_fn,
+            device="cpu",
+            autocast=torch.bfloat16 if amp else None,
+            name=model,
+        )
         try:
-            trace = trace_step(
-                entry.build,
-                _batch_of(entry, size, batch_size),
-                entry.step_fn,
-                device="cpu",
-                autocast=torch.bfloat16 if amp else None,
-                name=model,
-            )
+            trace = traced()
         except StepFailedError as error:
             # Note: [A sweep finds its own start]
             # Below some size a model cannot run its step (a U-Net pools its input down to one
@@ -126,23 +128,8 @@ def sweep(
             )
         else:
             whole_step_s = plain.step_s
-            traced = functools.partial(
-                trace_step,
-                entry.build,
-                _batch_of(entry, size, batch_size),
-                entry.step_fn,
-                device="cpu",
-                autocast=torch.bfloat16 if amp else None,
-                name=model,
-            )
             trace = fit_in_slabs(
-                traced,
-                spec,
-                budget,
-                half=half,
-                free_held=free_held,
-                trace=trace,
-                allowed=slabs,
+                traced, spec, budget, half=half, free_held=free_held, trace=trace, allowed=slabs
             )
             try:
                 plan = plan_auto(trace, spec, budget, half=half, free_held=free_held)

@@ -208,15 +208,6 @@ def analyze(
         else parse_bytes(gpu_memory, field="gpu_memory", positive=True)
     )
     started = time.perf_counter()
-    trace = trace_step(
-        model,
-        batch,
-        step_fn,
-        autocast=autocast,
-        optimizer=optimizer,
-        min_offload_bytes=min_offload_bytes,
-        name=name,
-    )
     half = autocast in (torch.float16, torch.bfloat16)
     traced = functools.partial(
         trace_step,
@@ -229,13 +220,7 @@ def analyze(
         name=name,
     )
     trace = fit_in_slabs(
-        traced,
-        spec,
-        budget,
-        half=half,
-        free_held=free_held,
-        trace=trace,
-        allowed=slabs,
+        traced, spec, budget, half=half, free_held=free_held, trace=traced(), allowed=slabs
     )
     trace_seconds = time.perf_counter() - started
     if device_spec == "local":

@@ -102,25 +102,6 @@ def tune_step(
         spec = spec.with_host_memory(host_budget_bytes)
     budget = spec.memory_bytes if budget_bytes is None else budget_bytes
     started = time.perf_counter()
-    trace = trace_step(
-        model,
-        batch,
-        step_fn,
-        device=device,
-        autocast=autocast,
-        min_offload_bytes=min_offload_bytes,
-        name=type(model).__name__,
-    )
-    half = autocast is not None
-    choose: Any = planner or plan_auto
-    if device.type == "cuda":  # the card, not its measured rates, which vary run to run
-        card = torch.cuda.get_device_properties(device)
-        where = f"{card.name}:{card.total_memory}:{spec.host_memory_bytes}"
-    else:
-        where = f"{spec.name}:{spec.page_mapped_bytes}"
-    chooser = getattr(choose, "__qualname__", type(choose).__qualname__)
-    setting = (where, __version__, planner_code(), half, chooser, *(["free_held"] * free_held))
-    path = cache_path(cache_folder(cache_dir), trace, budget, setting)
     traced = functools.partial(
         trace_step,
         model,
@@ -131,6 +112,17 @@ def tune_step(
         min_offload_bytes=min_offload_bytes,
         name=type(model).__name__,
     )
+    trace = traced()
+    half = autocast is not None
+    choose: Any = planner or plan_auto
+    if device.type == "cuda":  # the card, not its measured rates, which vary run to run
+        card = torch.cuda.get_device_properties(device)
+        where = f"{card.name}:{card.total_memory}:{spec.host_memory_bytes}"
+    else:
+        where = f"{spec.name}:{spec.page_mapped_bytes}"
+    chooser = getattr(choose, "__qualname__", type(choose).__qualname__)
+    setting = (where, __version__, planner_code(), half, chooser, *(["free_held"] * free_held))
+    path = cache_path(cache_folder(cache_dir), trace, budget, setting)
     kept = cached_slabs(path) if slabs else ()
     if kept:  # the plan kept was made for the step in slabs: check it against that trace
         trace = traced(slabs=dict(kept))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from lms.analysis.simulate import SimResult, simulate
 from lms.core.devices import DeviceSpec
-from lms.core.errors import PlanInfeasibleError
+from lms.core.errors import PlanInfeasibleError, StepFailedError
 from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.core.slabs import SplitError
@@ -93,8 +93,8 @@ def fit_in_slabs(
             break
         try:
             current = trace_with(slabs=dict(slabs))
-        except SplitError as refused:
-            log.info("[LMS] %s", str(refused).removeprefix("lms: "))
+        except (SplitError, StepFailedError) as refused:  # the module would not run in slabs
+            log.info("[LMS] %s", str(refused).removeprefix("lms: ").split("\n")[0])
             break
         error = _floor_error(current, spec, budget, half=half, free_held=free_held)
     if first is not None and refuse:
@@ -182,7 +182,7 @@ def faster_in_slabs(
         try:
             tried = trace_with(slabs=slabs)
             plan = planner(tried)
-        except (SplitError, PlanInfeasibleError):
+        except (SplitError, StepFailedError, PlanInfeasibleError):
             break
         simulated = simulate(tried, plan, spec_for(tried) if spec_for else spec, half=half)
         if simulated.step_s >= result.step_s * (1 - _FASTER):

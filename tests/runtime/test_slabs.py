@@ -202,3 +202,27 @@ def test_what_a_module_in_slabs_saves_is_recomputed_as_the_plan_says(spill_dir):
         assert_bitwise(reference, run_step(model, [x], offload))
         assert offload.stats.recomputed_tensors == step * len(plan.recompute)
     offload.close()
+
+
+def test_a_submodule_that_cannot_run_in_slabs_leaves_the_step_whole(caplog):
+    """Its forward reads a tensor that is neither an input, a parameter nor a buffer: the
+    recording refuses, and the step is planned whole (here: no plan fits), with the reason."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv3d(4, 4, 3, padding=1)
+            self.scale = torch.ones(1)  # neither a parameter nor a buffer
+
+        def forward(self, x):
+            return self.conv(x) * self.scale
+
+    model = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1), Scaled())
+    x = torch.randn(1, 1, 32, 32, 32)
+    whole = lms.analyze(model, [x], _unet_step, gpu_memory="64GiB", device_spec="cpu")
+    with caplog.at_level(logging.INFO, logger="lms"):
+        report = lms.analyze(
+            model, [x], _unet_step, gpu_memory=whole.plain.peak_bytes // 4, device_spec="cpu"
+        )
+    assert not report.fits and report.trace.slabs == ()
+    assert any("neither an input" in r.getMessage() for r in caplog.records)

@@ -140,7 +140,6 @@ def faster_in_slabs(
     *,
     half: bool = False,
     allowed: bool = True,
-    spec_for: Callable[[Trace], DeviceSpec] | None = None,
 ) -> tuple[Trace, Plan, SimResult]:
     """The step, its plan and their simulation, with submodules in more slabs where that is
     predicted faster; a step that runs none in slabs stays whole.
@@ -162,8 +161,6 @@ def faster_in_slabs(
         planner: ``planner(trace)`` plans a trace for the budget (raises
             `PlanInfeasibleError` where none fits).
         allowed: False: ``trace`` and ``planned`` as they are (`lms.LMSConfig.slabs`).
-        spec_for: the spec a trace tried is priced on (with the op times measured for it, as
-            `LMS.tune` prices); default ``spec``. ``planner`` must plan on the same.
     """
     best = (trace, *planned)
     if not allowed or not trace.slabs or planned[1].overhead < _WORTH_A_TRY:
@@ -184,7 +181,7 @@ def faster_in_slabs(
             plan = planner(tried)
         except (SplitError, StepFailedError, PlanInfeasibleError):
             break
-        simulated = simulate(tried, plan, spec_for(tried) if spec_for else spec, half=half)
+        simulated = simulate(tried, plan, spec, half=half)
         if simulated.step_s >= result.step_s * (1 - _FASTER):
             break
         log.info(

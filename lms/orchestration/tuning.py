@@ -146,29 +146,23 @@ def tune_step(
                 "a replay would run it uncompiled (Note [Compiled models are not replayed])"
             )
         options = {"free_held": True} if free_held else {}
-        untimed, timed = spec, dict[str, DeviceSpec]()
+        if trace.slabs and slabs:
+            # More slabs are tried at the spec's rates, and only the step chosen has its ops
+            # timed: each trace's timing costs seconds to minutes.
+            def at_rates(step: Trace) -> Plan:
+                return choose(step, spec, budget, half=half, **options)
 
-        def spec_for(step: Trace) -> DeviceSpec:  # each trace priced with its own op times
-            key = step.fingerprint()
-            if key not in timed:
-                timed[key] = with_local_timings(untimed, step, device, budget)
-            return timed[key]
-
-        def planner(step: Trace) -> Plan:
-            return choose(step, spec_for(step), budget, half=half, **options)
-
-        plan = planner(trace)
-        trace, plan, _ = faster_in_slabs(
-            traced,
-            trace,
-            (plan, simulate(trace, plan, spec_for(trace), half=half)),
-            planner,
-            untimed,
-            half=half,
-            allowed=slabs,
-            spec_for=spec_for,
-        )
-        spec = spec_for(trace)
+            first = at_rates(trace)
+            trace, _, _ = faster_in_slabs(
+                traced,
+                trace,
+                (first, simulate(trace, first, spec, half=half)),
+                at_rates,
+                spec,
+                half=half,
+            )
+        spec = with_local_timings(spec, trace, device, budget)
+        plan = choose(trace, spec, budget, half=half, **options)
         # Note [The first step prefetches in the traced order]
         plan = dataclasses.replace(plan, use_order=trace.use_order, slabs=trace.slabs)
     # A cached plan too: the host budget and the spill disk's free space may differ now.

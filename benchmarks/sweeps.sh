@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The simulated sweeps of benchmarks/results/sweep_* (the seed's protocol on the simulator), on any
-# machine, CPU only: about 25 minutes on 2 cores. The planner's searches are counted, not timed,
+# machine, CPU only: about 70 minutes on 2 cores (the U-Net's sizes in slabs take most). The planner's searches are counted, not timed,
 # so a rerun writes the same figures.
 #
 #   benchmarks/sweeps.sh                    # all of them

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The simulated sweeps of benchmarks/results/sweep_* (the seed's protocol on the simulator), on any
-# machine, CPU only: about 70 minutes on 2 cores (the U-Net's sizes in slabs take most). The planner's searches are counted, not timed,
-# so a rerun writes the same figures.
+# machine, CPU only: about 70 minutes on 2 cores, most of it the U-Net's sizes in slabs. The
+# planner's searches are counted, not timed, so a rerun writes the same figures.
 #
 #   benchmarks/sweeps.sh                    # all of them
 #   benchmarks/sweeps.sh resnet50 unet3d    # some: resnet50 resnet50_free_held googlenet

@@ -174,9 +174,8 @@ def faster_in_slabs(
         return best
     for _ in range(_CLIMBS):
         current, _, result = best
-        slabs = dict(current.slabs)
-        if slabs:
-            slabs = {name: min(2 * count, SLAB_COUNTS[-1]) for name, count in slabs.items()}
+        # every step tried here runs in slabs: each submodule gets twice as many
+        slabs = {name: min(2 * count, SLAB_COUNTS[-1]) for name, count in current.slabs}
         peak = current.ops[result.peak_op].module if current.ops else ""
         unit = _unit(current, peak)
         if unit is not None and unit not in slabs:

@@ -146,7 +146,7 @@ def tune_step(
                 "a replay would run it uncompiled (Note [Compiled models are not replayed])"
             )
         options = {"free_held": True} if free_held else {}
-        if trace.slabs and slabs:
+        if trace.slabs:  # only where slabs were allowed
             # More slabs are tried at the spec's rates, and only the step chosen has its ops
             # timed: each trace's timing costs seconds to minutes.
             def at_rates(step: Trace) -> Plan:

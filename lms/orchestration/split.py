@@ -16,7 +16,7 @@ from lms.core.units import format_bytes
 from lms.planning.candidates import Candidates
 from lms.planning.minimum import smallest_plan
 
-__all__ = ["SLAB_COUNTS", "faster_in_slabs", "fit_in_slabs"]
+__all__ = ["CLIMB_SIMULATIONS", "SLAB_COUNTS", "faster_in_slabs", "fit_in_slabs"]
 
 log = logging.getLogger("lms.orchestration.split")
 
@@ -160,8 +160,11 @@ def faster_in_slabs(
     the faster of the two stands, by more than `_FASTER` of its step, and the climb goes on
     from it, `_CLIMBS` times at most; plans within `_WORTH_A_TRY` of their step are left as
     they are. The simulator judges each by its whole step time, slabs' own cost (halos read
-    twice, more kernels) included. A step that fits whole is never split for speed: its plan
-    keeps the gradients bitwise.
+    twice, more kernels) included; a step whose time without offload is already no faster is
+    not planned. A step that fits whole is never split for speed: its plan keeps the gradients
+    bitwise. Each try is a trace and a plan of a step with more ops: `lms.LMS.tune`, which plans
+    the step chosen again at its own ops' times, searches each try within
+    `CLIMB_SIMULATIONS`.
 
     Args:
         planned: the plan for ``trace`` and its simulation.
@@ -184,6 +187,9 @@ def faster_in_slabs(
             break
         try:
             tried = trace_with(slabs=slabs)
+            # no plan of a step is faster than the step without offload
+            if simulate(tried, None, spec, half=half).step_s >= result.step_s * (1 - _FASTER):
+                break
             plan = planner(tried)
         except (SplitError, StepFailedError, PlanInfeasibleError):
             break
@@ -206,6 +212,10 @@ below it, the simulator's own error decides."""
 
 _CLIMBS = 3
 """Tries at most, each a trace and a plan."""
+
+CLIMB_SIMULATIONS = 2000
+"""Simulations of each per-tensor search while `lms.LMS.tune` compares slab counts: a 3D U-Net
+in 32 slabs has about 8000 ops, and each simulation of them takes about 11 ms on one core."""
 
 _WORTH_A_TRY = 0.05
 """A plan predicted within this share of its step without offload leaves slabs too little to

@@ -31,7 +31,7 @@ from lms.orchestration.cache import (
     save_plan,
 )
 from lms.orchestration.local import local_device_spec, with_local_timings
-from lms.orchestration.split import faster_in_slabs, fit_in_slabs
+from lms.orchestration.split import CLIMB_SIMULATIONS, faster_in_slabs, fit_in_slabs
 
 __all__ = ["TunedStep", "check_offload_room", "tune_plan", "tune_step"]
 
@@ -148,9 +148,12 @@ def tune_step(
         options = {"free_held": True} if free_held else {}
         if trace.slabs:  # only where slabs were allowed
             # More slabs are tried at the spec's rates, and only the step chosen has its ops
-            # timed: each trace's timing costs seconds to minutes.
+            # timed: each trace's timing costs seconds to minutes. Its plan is made again at
+            # those times, so the tries search within fewer simulations.
+            capped = {"max_simulations": CLIMB_SIMULATIONS} if choose is plan_auto else {}
+
             def at_rates(step: Trace) -> Plan:
-                return choose(step, spec, budget, half=half, **options)
+                return choose(step, spec, budget, half=half, **options, **capped)
 
             first = at_rates(trace)
             trace, _, _ = faster_in_slabs(

@@ -3,6 +3,7 @@ per-role plan) and TFLMS's tuned set, whichever is predicted faster."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from lms.core.devices import DeviceSpec
@@ -25,6 +26,7 @@ def plan_auto(
     *,
     half: bool = False,
     free_held: bool = False,
+    max_simulations: int = 20000,
 ) -> Plan:
     """Both planners' plans fit; return the one with the lower predicted overhead.
 
@@ -37,12 +39,13 @@ def plan_auto(
     (Note [Gaps in what the code holds]). Where a plan that empties nothing also fits, it is
     searched too and stands unless the emptying plan is predicted faster by more than 0.1%:
     emptying costs a copy in for each storage, and asks the step's code to leave it alone.
+    ``max_simulations`` bounds each per-tensor search (`lms.planning.greedy.plan_greedy`).
 
     Raises:
         PlanInfeasibleError: when not even offloading everything fits.
     """
     try:
-        fastest = _fastest(trace, spec, budget_bytes, half=half, free_held=free_held)
+        fastest = _fastest(trace, spec, budget_bytes, half, free_held, max_simulations)
     except PlanInfeasibleError:
         if not free_held:
             raise
@@ -50,7 +53,15 @@ def plan_auto(
             "[LMS] free_held: no plan fits emptying what the code holds after forward's last "
             "read of it; searching plans that also empty it between forward's reads"
         )
-        return plan_greedy(trace, spec, budget_bytes, half=half, free_held=True, gaps=True)
+        return plan_greedy(
+            trace,
+            spec,
+            budget_bytes,
+            half=half,
+            free_held=True,
+            gaps=True,
+            max_simulations=max_simulations,
+        )
     if not fastest.free_held:
         return fastest
     emptying = f"the plan that empties {len(fastest.free_held)} held storages"
@@ -60,7 +71,7 @@ def plan_auto(
         100 * fastest.predicted_overhead,
     )
     try:
-        filled = _fastest(trace, spec, budget_bytes, half=half, free_held=False)
+        filled = _fastest(trace, spec, budget_bytes, half, False, max_simulations)
     except PlanInfeasibleError:
         log.info("[LMS] free_held: none fits without emptying; %s stands", emptying)
         return fastest
@@ -91,7 +102,12 @@ and a step that costs half as much again pays for the extra second or two of pla
 
 
 def _fastest(
-    trace: Trace, spec: DeviceSpec, budget_bytes: int, *, half: bool, free_held: bool
+    trace: Trace,
+    spec: DeviceSpec,
+    budget_bytes: int,
+    half: bool,
+    free_held: bool,
+    max_simulations: int,
 ) -> Plan:
     if repeats(trace) >= DEEP_STACK_REPEATS:
         # A transformer's layers: the per-tensor search would spend thousands of simulations of a
@@ -114,10 +130,17 @@ def _fastest(
                 plan_blocks(trace, spec, budget_bytes, half=half, free_held=free_held, depths=wider)
             )
         return min(candidates, key=lambda plan: (plan.predicted_overhead, len(plan.offload)))
-    greedy = plan_greedy(trace, spec, budget_bytes, half=half, free_held=free_held)
+    searched = functools.partial(
+        plan_greedy,
+        trace,
+        spec,
+        budget_bytes,
+        half=half,
+        free_held=free_held,
+        max_simulations=max_simulations,
+    )
+    greedy = searched()
     candidates = [greedy, tune_tflms(trace, spec, budget_bytes, half=half, free_held=free_held)]
     if greedy.relieved_junctions:
-        candidates.append(
-            plan_greedy(trace, spec, budget_bytes, half=half, first="refetch", free_held=free_held)
-        )
+        candidates.append(searched(first="refetch"))
     return min(candidates, key=lambda plan: (plan.predicted_overhead, len(plan.offload)))

@@ -230,3 +230,35 @@ def test_a_submodule_that_cannot_run_in_slabs_leaves_the_step_whole(caplog):
         )
     assert not report.fits and report.trace.slabs == ()
     assert any("neither an input" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_more_slabs_are_planned_only_where_their_step_without_offload_could_be_faster(ahead):
+    """Note [Slabs that make a step faster]: a try whose step without offload is no faster
+    than the plan it would replace is not planned; one that could be faster is, and stands
+    only where its plan is predicted faster."""
+    import functools
+
+    from lms.analysis import simulate, trace_step
+    from lms.orchestration.split import faster_in_slabs
+
+    model = _small_unet()
+    traced = functools.partial(trace_step, model, [torch.randn(1, 1, 32, 32, 32)], _unet_step)
+    trace = traced(slabs={"upcat_1": 4})
+    spec = lms.device_spec("cpu")
+    plain = simulate(trace, None, spec)
+    # a plan predicted at twice the step (ahead: room for more slabs) or at its own time
+    result = dataclasses.replace(plain, step_s=plain.base_step_s * (2 if ahead else 1.06))
+    first = lms.Plan(fingerprint="x", offload=(), num_entries=0)
+    planned: list[dict[str, int]] = []
+
+    def planner(step):
+        planned.append(dict(step.slabs))
+        return first
+
+    chosen, _, _ = faster_in_slabs(traced, trace, (first, result), planner, spec)
+    # on this spec each doubling of the slabs costs this step over a third of its time: 8 (with
+    # the submodule where the plan peaks in 4) stand where the plan took twice the step, and 16
+    # are slower than 8 without offload
+    assert [step["upcat_1"] for step in planned] == ([8] if ahead else [])
+    assert dict(chosen.slabs) == (planned[0] if ahead else {"upcat_1": 4})

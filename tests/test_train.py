@@ -162,6 +162,49 @@ def test_cli_analyzes_an_imported_builder_and_refuses_bad_names(tmp_path, capsys
         assert "lms: model=" in capsys.readouterr().err
 
 
+def volume_segmenter():
+    """A builder of a user's own: 2 channels of 3D volumes in, 3 classes a voxel out."""
+    return torch.nn.Sequential(
+        torch.nn.Conv3d(2, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv3d(4, 3, 1)
+    )
+
+
+def signal_regressor():
+    """1D signals of 1 channel in, one value a sample out."""
+    return torch.nn.Sequential(
+        torch.nn.Conv1d(1, 4, 9), torch.nn.AdaptiveAvgPool1d(1), torch.nn.Flatten(),
+        torch.nn.Linear(4, 1),
+    )  # fmt: skip
+
+
+def no_convolution():
+    return torch.nn.Linear(4, 4)
+
+
+@pytest.mark.parametrize(
+    "builder, shapes",
+    [
+        ("volume_segmenter", [[1, 2, 12, 12, 12], [1, 12, 12, 12]]),
+        ("signal_regressor", [[1, 1, 12], [1, 1]]),
+    ],
+)
+def test_an_imported_builder_is_fed_what_its_first_convolution_takes(builder, shapes, tmp_path):
+    """Volumes of the first convolution's channels, classes a voxel where the output has them,
+    a regression on one output channel; the step trains in both."""
+    out = tmp_path / "r.json"
+    argv = ["-q", "analyze", "--model", f"tests.test_train:{builder}", "--image-size", "12"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["input_shapes"] == shapes
+    argv = ["-q", "train", "--model", f"tests.test_train:{builder}", "--image-size", "12"]
+    assert main([*argv, "--steps", "1", "--budget", "1GiB", "--json", str(out)]) == 0
+
+
+def test_an_imported_builder_without_a_convolution_is_refused_naming_the_way_on(capsys):
+    argv = ["analyze", "--model", "tests.test_train:no_convolution", "--image-size", "8"]
+    assert main(argv) == 2
+    assert "has no convolution, so its input cannot be told from it" in capsys.readouterr().err
+
+
 def test_cli_keeps_named_submodules_on_the_device_and_refuses_other_names(tmp_path, capsys):
     movable = []
     for keep in ([], ["--no-offload-in", "conv_0", "--no-offload-in", "upcat_1"]):

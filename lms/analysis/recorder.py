@@ -58,6 +58,7 @@ class Recorder(TorchDispatchMode):
         self.live_saves = 0  # saved tensors autograd still holds
         self.names: dict[int, str] = {}
         self.stack: list[str] = []
+        self.called: dict[str, None] = {}  # the modules forward called, in order
         self.marks: list[int] = []  # the last autograd node number before each module ran
         self.backward_module = "Global"  # the module of the last named node backward ran
         self.edge_of: dict[int, junctions.Edge] = {}  # storage: edge when first saved
@@ -88,6 +89,8 @@ class Recorder(TorchDispatchMode):
 
     def enter_module(self, module: torch.nn.Module, args: Any) -> None:
         self.stack.append(self.names.get(id(module), type(module).__name__))
+        if self.phase() == "forward":
+            self.called[self.stack[-1]] = None
         self.marks.append(max(map(_sequence_nr, _nodes(args)), default=-1))
 
     def exit_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:

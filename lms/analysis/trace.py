@@ -357,6 +357,7 @@ def trace_step(
         device=str(target),
         ops=tuple(recorder.ops),
         calls=tuple(recorder.calls),
+        modules=tuple(recorder.called),
         storages=tuple(storages),
         events=tuple(recorder.events),
         param_bytes=param_bytes,

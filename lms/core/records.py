@@ -200,6 +200,9 @@ class Trace:
     calls: tuple[OpCall | None, ...] = dataclasses.field(default=(), compare=False, repr=False)
     """How each op was called, by op index (None where it cannot run again alone); empty for
     traces made otherwise. Not part of the record's identity."""
+    modules: tuple[str, ...] = dataclasses.field(default=(), compare=False, repr=False)
+    """The modules forward called, as ops name them, in the order of their first call (a
+    ``ModuleList`` holds modules but is never called); empty for traces made otherwise."""
 
     # -- derived -----------------------------------------------------------------------------
     @property

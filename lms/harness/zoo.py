@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from lms.core.extras import require
 
@@ -26,7 +27,7 @@ class ZooModel:
     make_batch: Callable[[int, int], Sequence[torch.Tensor]]
     """``make_batch(size, batch_size)``: the input tensors."""
     unit: str
-    """What the data rate counts: "pixels", "voxels" or "tokens"."""
+    """What the data rate counts: "pixels", "voxels", "tokens" or "samples" (of a 1D signal)."""
     elements: Callable[[int], int]
     """Elements (pixels, voxels, tokens) of one sample at ``size``."""
     default_size: int
@@ -127,13 +128,28 @@ def _lm_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Ten
 
 
 def _classify_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
-    images, labels = batch
-    out = model(images)
-    if isinstance(out, dict):
-        out = out["out"]
-    loss = torch.nn.functional.cross_entropy(out.float(), labels)
+    inputs, targets = batch
+    out = _primary(model(inputs))
+    if targets.is_floating_point():  # one output channel: a regression
+        loss = torch.nn.functional.mse_loss(out.float(), targets)
+    else:
+        loss = torch.nn.functional.cross_entropy(out.float(), targets)
     loss.backward()
     return loss
+
+
+def _primary(out: object) -> torch.Tensor:
+    """The tensor a model's output leads with: itself, a segmentation dict's ``"out"``, a Hugging
+    Face output's ``logits``, or the first of a tuple or dict."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        return _primary(out["out"] if "out" in out else next(iter(out.values())))
+    if hasattr(out, "logits"):
+        return _primary(out.logits)
+    if isinstance(out, (tuple, list)) and out:
+        return _primary(out[0])
+    raise TypeError(f"lms: the model returned {type(out).__name__}, which holds no tensor")
 
 
 def _images(channels: int, classes: int) -> Callable[[int, int], Sequence[torch.Tensor]]:
@@ -267,8 +283,9 @@ ZOO: dict[str, ZooModel] = {
 def zoo_model(name: str) -> ZooModel:
     """Look a model up by name, or import one given as ``"package.module:builder"``.
 
-    An imported builder is called with no arguments and must return an image classifier (3
-    channels in, 1000 classes out), such as ``"torchvision.models:vit_b_16"``.
+    An imported builder is called with no arguments, such as ``"torchvision.models:vit_b_16"``
+    or ``"monai.networks.nets:SegResNet"``; its batch is made from its first convolution and
+    its output (`_imported`).
 
     Raises:
         ValueError: for an unknown name (listing the known ones) or a builder that cannot be
@@ -289,4 +306,63 @@ def zoo_model(name: str) -> ZooModel:
         raise ValueError(f"lms: model={name!r} cannot be imported: {error}") from None
     if not callable(build):
         raise ValueError(f"lms: model={name!r} is not callable")
-    return _classifier(name, build)
+    return _imported(name, build)
+
+
+_CONVOLUTIONS = {torch.nn.Conv1d: 1, torch.nn.Conv2d: 2, torch.nn.Conv3d: 3}
+_DEFAULT_SIZES = {1: 16000, 2: 224, 3: 96}
+
+
+def _imported(name: str, build: Callable[[], torch.nn.Module]) -> ZooModel:
+    """A model from a builder of the user's: its input is what its first convolution takes (a
+    batch of 1D signals, images or volumes of that many channels, ``size`` along each spatial
+    dim), and its targets are classes of its output's channels, per sample or per pixel as the
+    output has them (one channel: a regression on zeros). The builder runs on the meta device
+    to find them, so this costs no memory.
+
+    Raises:
+        ValueError: the builder fails, or the model has no convolution to take its input from;
+            from ``make_batch``, the model fails on the batch's shape.
+    """
+    try:
+        with torch.device("meta"):
+            probe = build()
+    except Exception as error:  # the user's code: whatever it raises is reported as theirs
+        raise ValueError(
+            f"lms: model={name!r} failed to build: {type(error).__name__}: {error}"
+        ) from None
+    if not isinstance(probe, torch.nn.Module):
+        raise ValueError(f"lms: model={name!r} built a {type(probe).__name__}, not a module")
+    first = next((m for m in probe.modules() if type(m) in _CONVOLUTIONS), None)
+    if not isinstance(first, torch.nn.modules.conv._ConvNd):
+        raise ValueError(
+            f"lms: model={name!r} has no convolution, so its input cannot be told from it; "
+            "train it with lms.LMS around your own step, or plan it with lms.analyze and your "
+            "own batch"
+        )
+    dims, channels = _CONVOLUTIONS[type(first)], first.in_channels
+
+    def make(size: int, batch: int) -> Sequence[torch.Tensor]:
+        inputs = torch.randn(batch, channels, *[size] * dims)
+        try:
+            with _disable_current_modes(), torch.no_grad():
+                shape = _primary(probe(torch.empty(inputs.shape, device="meta"))).shape
+        except Exception as error:  # the user's model: whatever it raises is reported as theirs
+            raise ValueError(
+                f"lms: model={name!r} fails on a batch of shape {list(inputs.shape)}: "
+                f"{type(error).__name__}: {error}; try another size or batch size"
+            ) from None
+        if len(shape) < 2 or shape[1] < 2:
+            return [inputs, torch.zeros(shape)]
+        return [inputs, torch.randint(0, shape[1], (batch, *shape[2:]))]
+
+    return ZooModel(
+        name,
+        build,
+        make,
+        ("samples", "pixels", "voxels")[dims - 1],
+        lambda s: s**dims,
+        _DEFAULT_SIZES[dims],
+        _classify_step,
+        classifies_images=dims == 2 and channels == 3,
+    )

@@ -49,8 +49,9 @@ def fit_in_slabs(
 
     Note: [Which submodules run in slabs]
     The least memory a plan of the step needs (every saved tensor out, copies waited for) peaks
-    at one op. Where that floor is over the budget, the top-level submodule that op runs in is
-    run in slabs, if it has a convolution over a spatial input; then the step is traced again
+    at one op. Where that floor is over the budget, the outermost submodule that op runs in
+    (skipping containers that are never called, such as a ``ModuleList``) is run in slabs, if
+    it has a convolution over a spatial input; then the step is traced again
     and its floor found again. A submodule named twice gets the next count of `SLAB_COUNTS`.
     It stops at the first trace whose floor fits, so each submodule has the fewest slabs that
     fit (a few slabs may need more than the whole module: each slab's gradient is made apart
@@ -104,6 +105,15 @@ def fit_in_slabs(
             log.info("[LMS] %s", str(refused).removeprefix("lms: ").split("\n")[0])
             break
         error = _floor_error(current, spec, budget, half=half, free_held=free_held)
+    if slabs and error is not None:
+        log.info(
+            "[LMS] In slabs (%s) the least a plan needs is still %s, at %s, over the budget of "
+            "%s: the step is planned whole",
+            ", ".join(f"{name} in {count}" for name, count in sorted(slabs.items())),
+            format_bytes(error.min_budget_bytes),
+            error.op_module or "an op outside any module",
+            format_bytes(budget),
+        )
     if first is not None and refuse:
         raise first
     return whole
@@ -124,18 +134,22 @@ def _floor_error(
 
 
 def _unit(trace: Trace, module: str) -> str | None:
-    """The top-level submodule that ``module`` (a trace's dotted module path, the model's
-    class first) is in, where it runs a convolution over a spatial input; else None."""
+    """The outermost submodule on ``module``'s path (a trace's dotted module path, the model's
+    class first) that forward called and that runs a convolution over a spatial input, by its
+    name in the model; else None. A ``ModuleList`` on the path is never called: the module it
+    holds stands for it."""
     parts = module.split(".")
-    if len(parts) < 2:
-        return None
-    prefix = f"{parts[0]}.{parts[1]}"
-    convolves = any(
-        op.name.startswith("aten.convolution")
-        and (op.module == prefix or op.module.startswith(prefix + "."))
-        for op in trace.ops
-    )
-    return parts[1] if convolves else None
+    for depth in range(2, len(parts) + 1):
+        prefix = ".".join(parts[:depth])
+        if trace.modules and prefix not in trace.modules:
+            continue
+        convolves = any(
+            op.name.startswith("aten.convolution")
+            and (op.module == prefix or op.module.startswith(prefix + "."))
+            for op in trace.ops
+        )
+        return ".".join(parts[1:depth]) if convolves else None
+    return None
 
 
 def faster_in_slabs(

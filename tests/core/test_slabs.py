@@ -196,3 +196,78 @@ def test_a_forward_that_reads_a_tensor_it_was_not_given_is_refused():
 def test_slab_bounds_cover_the_rows_once():
     assert slab_bounds(10, 4) == [0, 2, 5, 7, 10]
     assert slab_bounds(3, 8) == [0, 1, 2, 3]
+
+
+class NormFirst(nn.Module):
+    """A residual block that normalizes its input first (MONAI's SegResNet does) and makes a
+    tensor on its input's device, as stochastic depth's noise is made."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.GroupNorm(2, 4)
+        self.conv = nn.Conv3d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        scale = torch.full((1, 4, 1, 1, 1), 0.5, dtype=x.dtype, device=x.device)
+        return self.conv(F.relu(self.norm(x))) * scale + x
+
+
+def test_a_norm_of_the_whole_input_runs_a_slab_at_a_time_and_tensors_go_to_its_device():
+    """The norm that reads the module's own input takes its statistics slab by slab (no
+    whole-tensor norm kernel runs), a tensor made on the input's device is made on it, not on
+    the meta device the forward was recorded on, and the step is exact in float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), NormFirst()).double()
+    twin = copy.deepcopy(model)
+    x = torch.randn(1, 1, 12, 5, 5, dtype=torch.float64)
+    loss, grads = _step(model, x)
+    called = []
+    with (
+        split_modules(twin, {"1": 3}),
+        torch.overrides.TorchFunctionMode.__new__(_Names).with_log(called),
+    ):
+        split_loss, split_grads = _step(twin, x)
+    assert "group_norm" not in called and "var_mean" in called, called
+    assert torch.allclose(loss, split_loss, rtol=1e-12, atol=0)
+    for grad, split in zip(grads, split_grads, strict=True):
+        assert torch.allclose(grad, split, rtol=1e-9, atol=1e-12)
+
+
+class _Names(torch.overrides.TorchFunctionMode):
+    def with_log(self, log):
+        torch.overrides.TorchFunctionMode.__init__(self)
+        self.log = log
+        return self
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in (*args, *(kwargs or {}).values()) if isinstance(t, torch.Tensor)]
+        if not any(t.is_meta for t in tensors):  # the recording runs on meta tensors
+            self.log.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_module_in_slabs_joins_its_output_with_one_slab_beside_it():
+    """Note [A whole value is written a slab at a time]: no op takes every piece at once (a
+    cat would, beside the whole it makes); each is written into the output alone."""
+    from lms.analysis import trace_step
+
+    model = nn.Sequential(nn.Conv3d(1, 4, 3, padding=1), nn.Sequential(nn.Conv3d(4, 4, 1)))
+    x = torch.randn(1, 1, 32, 16, 16)
+
+    def step(m, batch):
+        loss = m(*batch).square().mean()
+        loss.backward()
+        return loss
+
+    trace = trace_step(model, [x], step, device="cpu", slabs={"1": 8})
+    inside = [op for op in trace.ops if op.phase == "forward" and op.module.endswith(".1")]
+    assert max(len(op.inputs) for op in inside) < 8, [(op.name, op.inputs) for op in inside]
+    assert sum(op.name == "aten.index_copy_.default" for op in inside) == 8
+
+
+def test_a_container_that_is_never_called_is_refused():
+    model = nn.Sequential(nn.Conv2d(1, 1, 1))
+    model.blocks = nn.ModuleList([nn.Conv2d(1, 1, 1)])
+    refused = pytest.raises(SplitError, match="ModuleList, whose forward is never called")
+    with refused, split_modules(model, {"blocks": 2}):
+        pass

@@ -262,3 +262,28 @@ def test_more_slabs_are_planned_only_where_their_step_without_offload_could_be_f
     # are slower than 8 without offload
     assert [step["upcat_1"] for step in planned] == ([8] if ahead else [])
     assert dict(chosen.slabs) == (planned[0] if ahead else {"upcat_1": 4})
+
+
+def test_the_submodule_named_for_slabs_is_one_forward_calls():
+    """Note [Which submodules run in slabs]: a ``ModuleList`` on the path to the op at the
+    floor is never called, so the block it holds is named instead; a block without a
+    convolution is named by none."""
+    from lms.analysis import trace_step
+    from lms.orchestration.split import _unit
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(
+                [torch.nn.Sequential(torch.nn.Conv2d(1, 1, 3, padding=1)), torch.nn.ReLU()]
+            )
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    trace = trace_step(Net(), [torch.randn(1, 1, 8, 8)], lambda m, b: m(*b).sum().backward())
+    assert "Net.blocks" not in trace.modules and "Net.blocks.0" in trace.modules
+    assert _unit(trace, "Net.blocks.0.0") == "blocks.0"
+    assert _unit(trace, "Net.blocks.1") is None

@@ -12,7 +12,11 @@ pointwise function of other values, evaluated a piece at a time where a consumer
   slab's variance and mean, combined as Chan et al. combine them), then normalizes lazily.
 - Pointwise functions, concatenation along channels and padding across the other dims stay
   lazy; in-place ones run out of place on the fresh piece.
-- Any other function gets its inputs whole, and its outputs are whole.
+- Any other function gets its inputs whole, and its outputs are whole; a whole value made of
+  slabs is written into its whole a slab at a time (Note [A whole value is written a slab at a
+  time]). A whole input is read a slab at a time as a split of it.
+- A tensor the forward makes on its input's device (``device=x.device``) is made on the device
+  the module runs on, not on the meta device it was recorded on.
 Autograd sees only slab-sized operations, so what they save is slab-sized and LMS moves or
 recomputes each piece as its plan says. The gradients are not bitwise those of the unsplit
 module: a convolution's weight gradient is summed slab by slab and the statistics are combined
@@ -43,8 +47,9 @@ def split_modules(model: torch.nn.Module, slabs: Mapping[str, int]) -> Iterator[
     it) runs its forward in that many slabs (Note [Slabs]); its own forward is back after.
 
     Raises:
-        SplitError: a name is not a submodule of ``model``, or a count is not an int of at
-            least 2, before any module changes.
+        SplitError: a name is not a submodule of ``model`` or is a container that is never
+            called (a ``ModuleList``), or a count is not an int of at least 2, before any
+            module changes.
     """
     modules = []
     for name, count in slabs.items():
@@ -60,6 +65,11 @@ def split_modules(model: torch.nn.Module, slabs: Mapping[str, int]) -> Iterator[
                 f"lms: {type(model).__name__} has no submodule {name!r} to run in slabs; "
                 "name one as model.named_modules() lists it"
             ) from error
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            raise SplitError(
+                f"lms: {name!r} is a {type(module).__name__}, whose forward is never called; "
+                "name a module it holds"
+            )
         modules.append((module, count))
     saved = [module.__dict__.get("forward") for module, _ in modules]
     try:

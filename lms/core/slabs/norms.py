@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from lms.core.slabs.program import Call, bind
-from lms.core.slabs.values import Lazy, Stored, Value, slab_bounds, whole_of
+from lms.core.slabs.values import Lazy, Value, slab_bounds, whole_of
 
 __all__ = ["Normalize", "norm"]
 
@@ -80,7 +80,7 @@ def norm(call: Call, args: Any, kwargs: Any, slabs: int) -> Lazy | None:
         return None
     a = bound.arguments
     x = a["input"]
-    if not isinstance(x, Lazy | Stored):
+    if not isinstance(x, Value):  # a whole input is read a slab at a time too
         return None
     weight, bias = whole_of(a.get("weight")), whole_of(a.get("bias"))
     running_mean, running_var = whole_of(a.get("running_mean")), whole_of(a.get("running_var"))

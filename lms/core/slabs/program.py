@@ -24,7 +24,9 @@ class SplitError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Ref:
     """A tensor in a recorded program: an input, a parameter or buffer, or a call's output
-    (``index``, and ``item`` in a tuple output)."""
+    (``index``, and ``item`` in a tuple output); or, of kind ``"device"``, the device the
+    module runs on, where the forward asked for the meta device it was recorded on (a tensor
+    made with ``device=x.device``)."""
 
     kind: str
     key: int | str
@@ -88,6 +90,8 @@ class Recorder(TorchFunctionMode):
         return out
 
     def _ref(self, value: Any) -> Any:
+        if isinstance(value, torch.device) and value.type == "meta":
+            return Ref("device", 0)
         return self.refs[id(value)] if isinstance(value, torch.Tensor) else value
 
 

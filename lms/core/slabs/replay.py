@@ -33,6 +33,7 @@ IN_PLACE = {"__iadd__": "__add__", "__isub__": "__sub__", "__imul__": "__mul__"}
 def replay(program: Program, module: torch.nn.Module, slabs: int, leaves: list[Any]) -> Any:
     state = dict(module.named_parameters()) | dict(module.named_buffers())
     values: dict[int, Any] = {}
+    device = next(t.device for t in [*leaves, *state.values()] if isinstance(t, torch.Tensor))
 
     def resolve(ref: Any) -> Any:
         if not isinstance(ref, Ref):
@@ -41,6 +42,8 @@ def replay(program: Program, module: torch.nn.Module, slabs: int, leaves: list[A
             return Whole(leaves[int(ref.key)], slabs)
         if ref.kind == "param":
             return Whole(state[str(ref.key)], slabs)
+        if ref.kind == "device":
+            return device
         value = values[int(ref.key)]
         return value[ref.item] if ref.item >= 0 else value
 

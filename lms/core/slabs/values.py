@@ -34,9 +34,51 @@ class Value:
         raise NotImplementedError
 
     def whole(self) -> torch.Tensor:
+        # Note: [A whole value is written a slab at a time]
+        # Joined with one cat, every piece would be alive beside the whole they make: at a
+        # module's output, twice its size. Each piece is made, written into the whole and let
+        # go instead; backward hands each piece its rows of the gradient, a view.
         bounds = slab_bounds(self.depth, self.slabs)
-        parts = [self.piece(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, DIM)
+        if len(bounds) == 2:
+            return self.piece(0, self.depth)
+        out: torch.Tensor | None = None
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            piece = self.piece(a, b)
+            if out is None:
+                out = torch.empty(
+                    self.shape, dtype=piece.dtype, device=piece.device, memory_format=_layout(piece)
+                )
+            out = _Write.apply(out, piece, a)
+        assert out is not None
+        return out
+
+
+def _layout(piece: torch.Tensor) -> torch.memory_format:
+    """The memory format ``piece`` is laid out in (channels last or not), for its whole."""
+    last = {4: torch.channels_last, 5: torch.channels_last_3d}.get(piece.dim())
+    if last is not None and not piece.is_contiguous() and piece.is_contiguous(memory_format=last):
+        return last
+    return torch.contiguous_format
+
+
+class _Write(torch.autograd.Function):
+    """``piece`` written into ``whole`` at row ``start`` of `DIM`, in place."""
+
+    @staticmethod
+    def forward(ctx: Any, whole: torch.Tensor, piece: torch.Tensor, start: int) -> torch.Tensor:
+        ctx.start, ctx.rows = start, piece.shape[DIM]
+        # no view of the whole is made here, where grad mode is off: autograd forbids writing
+        # through such a view to a tensor that later writes record
+        rows = torch.arange(start, start + ctx.rows, device=whole.device)
+        whole.index_copy_(DIM, rows, piece)
+        ctx.mark_dirty(whole)
+        return whole
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        # the rows written here were empty before: what the whole had before gets the gradient
+        # as it is, since no write reads another's rows
+        return grad, grad.narrow(DIM, ctx.start, ctx.rows), None
 
 
 class Whole(Value):

@@ -224,7 +224,7 @@ def _untabled(data: dict[str, Any], tables: dict[str, type]) -> dict[str, Any]:
 
 
 def _trace_to_dict(trace: Trace) -> dict[str, Any]:
-    return _tabled(trace, _TRACE_TABLES, leave=("calls",))
+    return _tabled(trace, _TRACE_TABLES, leave=("calls", "modules"))
 
 
 def _trace_from_dict(data: dict[str, Any]) -> Trace:

@@ -102,7 +102,12 @@ def fit_in_slabs(
         try:
             current = trace_with(slabs=dict(slabs))
         except (SplitError, StepFailedError) as refused:  # the module would not run in slabs
-            log.info("[LMS] %s", str(refused).removeprefix("lms: ").split("\n")[0])
+            log.info(
+                "[LMS] With %s in slabs the step failed, so it is planned whole: %s",
+                ", ".join(f"{name} in {count}" for name, count in sorted(slabs.items())),
+                str(refused).removeprefix("lms: ").split("\n")[0],
+            )
+            slabs = {}  # none of these ran
             break
         error = _floor_error(current, spec, budget, half=half, free_held=free_held)
     if slabs and error is not None:

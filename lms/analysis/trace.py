@@ -34,7 +34,7 @@ from lms.core.keep import is_plain, leave_modules
 from lms.core.records import Trace
 from lms.core.slabs import split_modules
 
-__all__ = ["trace_step", "default_step", "StepFn"]
+__all__ = ["trace_step", "default_step", "primary_output", "StepFn"]
 
 log = logging.getLogger("lms.analysis")
 
@@ -43,14 +43,27 @@ StepFn = Callable[[torch.nn.Module, Any], Any]
 
 def default_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
     """Forward, a mean over the output as the loss, backward. Returns the loss."""
-    out = model(*batch)
-    if isinstance(out, Mapping):
-        out = out["out"] if "out" in out else next(iter(out.values()))
-    if hasattr(out, "logits"):
-        out = out.logits
-    loss = out.float().mean()
+    loss = primary_output(model(*batch)).float().mean()
     loss.backward()
     return loss
+
+
+def primary_output(out: object) -> torch.Tensor:
+    """The tensor a model's output leads with: itself, a segmentation dict's ``"out"``, a Hugging
+    Face output's ``logits``, or the first of a tuple or dict.
+
+    Raises:
+        TypeError: the output holds no tensor.
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping):
+        return primary_output(out["out"] if "out" in out else next(iter(out.values())))
+    if hasattr(out, "logits"):
+        return primary_output(out.logits)
+    if isinstance(out, (tuple, list)) and out:
+        return primary_output(out[0])
+    raise TypeError(f"lms: the model returned {type(out).__name__}, which holds no tensor")
 
 
 def _refuse_sharded(model: torch.nn.Module, name: str, units: list[fsdp.Unit]) -> None:

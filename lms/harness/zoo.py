@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from lms.analysis.trace import primary_output
 from lms.core.extras import require
 
 __all__ = ["ZooModel", "ZOO", "zoo_model", "TinyLM"]
@@ -129,27 +130,13 @@ def _lm_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Ten
 
 def _classify_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
     inputs, targets = batch
-    out = _primary(model(inputs))
+    out = primary_output(model(inputs))
     if targets.is_floating_point():  # one output channel: a regression
         loss = torch.nn.functional.mse_loss(out.float(), targets)
     else:
         loss = torch.nn.functional.cross_entropy(out.float(), targets)
     loss.backward()
     return loss
-
-
-def _primary(out: object) -> torch.Tensor:
-    """The tensor a model's output leads with: itself, a segmentation dict's ``"out"``, a Hugging
-    Face output's ``logits``, or the first of a tuple or dict."""
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict):
-        return _primary(out["out"] if "out" in out else next(iter(out.values())))
-    if hasattr(out, "logits"):
-        return _primary(out.logits)
-    if isinstance(out, (tuple, list)) and out:
-        return _primary(out[0])
-    raise TypeError(f"lms: the model returned {type(out).__name__}, which holds no tensor")
 
 
 def _images(channels: int, classes: int) -> Callable[[int, int], Sequence[torch.Tensor]]:
@@ -346,7 +333,7 @@ def _imported(name: str, build: Callable[[], torch.nn.Module]) -> ZooModel:
         inputs = torch.randn(batch, channels, *[size] * dims)
         try:
             with _disable_current_modes(), torch.no_grad():
-                shape = _primary(probe(torch.empty(inputs.shape, device="meta"))).shape
+                shape = primary_output(probe(torch.empty(inputs.shape, device="meta"))).shape
         except Exception as error:  # the user's model: whatever it raises is reported as theirs
             raise ValueError(
                 f"lms: model={name!r} fails on a batch of shape {list(inputs.shape)}: "

@@ -39,17 +39,16 @@ class Value:
         # module's output, twice its size. Each piece is made, written into the whole and let
         # go instead; backward hands each piece its rows of the gradient, a view.
         bounds = slab_bounds(self.depth, self.slabs)
+        first = self.piece(bounds[0], bounds[1])
         if len(bounds) == 2:
-            return self.piece(0, self.depth)
-        out: torch.Tensor | None = None
-        for a, b in zip(bounds, bounds[1:], strict=False):
-            piece = self.piece(a, b)
-            if out is None:
-                out = torch.empty(
-                    self.shape, dtype=piece.dtype, device=piece.device, memory_format=_layout(piece)
-                )
-            out = _Write.apply(out, piece, a)
-        assert out is not None
+            return first
+        out = torch.empty(
+            self.shape, dtype=first.dtype, device=first.device, memory_format=_layout(first)
+        )
+        out = _Write.apply(out, first, 0)
+        del first  # each piece goes once written
+        for a, b in zip(bounds[1:], bounds[2:], strict=False):
+            out = _Write.apply(out, self.piece(a, b), a)
         return out
 
 

@@ -298,11 +298,20 @@ def test_lines_say_what_tflms_said(report):
 
 
 def test_lines_say_what_stays_for_the_code_and_what_convolutions_take_on_a_cpu():
-    # The default step keeps the model's output in a variable while backward runs, and the last
-    # Tanh saved it: no plan moves it. Contiguous convolutions take oneDNN's copies on a CPU.
-    def report_on(spec, memory):
+    # This step keeps the model's output in a variable while backward runs, and the last Tanh
+    # saved it: no plan moves it. Contiguous convolutions take oneDNN's copies on a CPU.
+    def holding(model, batch):
+        out = model(*batch)
+        loss = out.mean()
+        loss.backward()
+        return loss, out
+
+    def report_on(spec, memory, step_fn=holding):
         batch = [torch.randn(8, 3, 128, 128)]
-        return analyze(deep, lambda: batch, gpu_memory=memory, device_spec=spec)
+        return analyze(deep, lambda: batch, step_fn, gpu_memory=memory, device_spec=spec)
+
+    # The default step lets go of the output before backward: nothing stays for its code.
+    assert "stay on the device" not in "\n".join(report_on("cpu", "70MiB", None).lines())
 
     cpu = report_on("cpu", "70MiB")
     text = "\n".join(cpu.lines())
@@ -318,6 +327,7 @@ def test_lines_say_what_stays_for_the_code_and_what_convolutions_take_on_a_cpu()
     freeing = analyze(
         deep,
         lambda: [torch.randn(8, 3, 128, 128)],
+        holding,
         gpu_memory="70MiB",
         device_spec="cpu",
         free_held=True,

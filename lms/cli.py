@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -68,8 +69,8 @@ def _seconds(text: str) -> float:
 
 
 _MODEL_HELP = (
-    "zoo model (resnet50, googlenet, deeplabv3, unet3d, tinylm, gpt2, llama) or "
-    "package.module:builder"
+    "zoo model (resnet50, googlenet, deeplabv3, unet3d, tinylm, gpt2, llama), a torchvision "
+    "model's name (efficientnet_b0, swin_t, r3d_18, ...) or package.module:builder"
 )
 _AMP_HELP = "bfloat16 autocast"
 _SPEC_HELP = "device spec to simulate (see lms.analysis.DEVICES; default v100-32gb)"
@@ -94,11 +95,12 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help=_MODEL_HELP,
     )
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--image-size", type=_count, help="edge in pixels or voxels")
+    size.add_argument("--image-size", type=_count, metavar="N", help="edge in pixels or voxels")
     size.add_argument(
         "--seq-len",
         dest="image_size",
         type=_count,
+        metavar="N",
         help="sequence length, for a language model (tinylm, gpt2, llama)",
     )
     parser.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
@@ -272,15 +274,21 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"exit status:\n{codes}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "-q", "--quiet", action="store_true", help="only warnings and errors; no progress bars"
-    )
+    quiet_help = "only warnings and errors; no progress bars"
+    parser.add_argument("-q", "--quiet", action="store_true", help=quiet_help)
     parser.add_argument(
         "--version", action="version", version=f"lms {__version__} (torch {torch.__version__})"
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    # -q also after the command's name; absent there, it leaves the one before it as it is
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument(
+        "-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=quiet_help
+    )
+    add_command = functools.partial(
+        parser.add_subparsers(dest="command", required=True).add_parser, parents=[quiet]
+    )
 
-    analyze = commands.add_parser("analyze", help="trace a step with fake tensors and simulate")
+    analyze = add_command("analyze", help="trace a step with fake tensors and simulate")
     _add_model_args(analyze)
     analyze.add_argument("--gpu-memory", type=str, default=None, help="e.g. 32GiB")
     analyze.add_argument(
@@ -303,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--no-slabs", action="store_true", help=_NO_SLABS_HELP)
     analyze.set_defaults(run=_analyze)
 
-    sweep = commands.add_parser("sweep", help="grow the image edge until the step cannot fit")
+    sweep = add_command("sweep", help="grow the image edge until the step cannot fit")
     sweep.add_argument("--model", required=True, help=_MODEL_HELP)
     sweep.add_argument("--gpu-memory", required=True, help="e.g. 32GiB")
     sweep.add_argument("--step", type=_count, required=True, help="edge increment")
@@ -320,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--no-slabs", action="store_true", help=_NO_SLABS_HELP)
     sweep.set_defaults(run=_sweep)
 
-    train = commands.add_parser("train", help="train a zoo model and measure it")
+    train = add_command("train", help="train a zoo model and measure it")
     _add_model_args(train)
     train.add_argument(
         "--steps",
@@ -367,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(run=_train)
 
-    again = commands.add_parser(
+    again = add_command(
         "replay", help="simulate a recorded step again and set it beside what it measured"
     )
     again.add_argument(
@@ -380,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--plot", help="write both timelines, measured above replayed, as a PNG")
     again.set_defaults(run=_replay)
 
-    bench = commands.add_parser("bench", help="measure LMS beside the peers over sizes")
+    bench = add_command("bench", help="measure LMS beside the peers over sizes")
     bench.add_argument("--model", required=True, help=_MODEL_HELP)
     bench.add_argument("--sizes", type=_counts, required=True, help="comma-separated edges")
     bench.add_argument("--budget", default=None, help="device memory each run may use, e.g. 32GiB")
@@ -408,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", help="write the graph of rate against size (PNG) here")
     bench.set_defaults(run=_bench)
 
-    demo = commands.add_parser("demo", help="analyze, then train past the budget with LMS")
+    demo = add_command("demo", help="analyze, then train past the budget with LMS")
     demo.add_argument("--out", default="out/demo", help="folder for the plot and snapshot")
     demo.add_argument("--steps", type=_count, default=3, help="training steps (default 3)")
     demo.set_defaults(run=_demo)

@@ -11,7 +11,7 @@ from lms.cli import main
 from lms.core.errors import StepFailedError
 from lms.harness.bench import summarize
 from lms.harness.train import checkpoint_blocks, train
-from lms.harness.zoo import ZOO
+from lms.harness.zoo import ZOO, zoo_model
 from tests.conftest import check_schema, script_json
 
 
@@ -160,6 +160,29 @@ def test_cli_analyzes_an_imported_builder_and_refuses_bad_names(tmp_path, capsys
     for bad in ("resnet5", "no.such.module:build", "torchvision.models:no_such_net"):
         assert main(["analyze", "--model", bad, "--image-size", "64"]) == 2
         assert "lms: model=" in capsys.readouterr().err
+    refused = pytest.raises(ValueError, zoo_model, "resnet5").value
+    assert "a torchvision model's name" in str(refused)
+
+
+def test_a_torchvision_name_is_a_model_built_with_random_weights_throughout(
+    tmp_path, capsys, monkeypatch
+):
+    """A segmentation model's backbone, which torchvision would load pretrained, is random too:
+    nothing is downloaded. -q also after the command's name."""
+
+    import torchvision
+
+    def download(*args, **kwargs):
+        raise AssertionError("a zoo model downloaded weights")
+
+    monkeypatch.setattr(torchvision.models._api, "load_state_dict_from_url", download)
+    out = tmp_path / "r.json"
+    for model in ("mobilenet_v3_small", "lraspp_mobilenet_v3_large"):
+        argv = ["analyze", "-q", "--model", model, "--image-size", "64", "--json", str(out)]
+        assert main(argv) == 0
+        report = json.loads(out.read_text())
+        assert report["model"].startswith(model) and report["input_shapes"][0] == [1, 3, 64, 64]
+    assert "[LMS]" not in capsys.readouterr().err
 
 
 def volume_segmenter():

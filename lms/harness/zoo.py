@@ -7,7 +7,10 @@ randomly (under fake tensors when tracing, so building costs no memory).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import importlib.util
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -268,11 +271,13 @@ ZOO: dict[str, ZooModel] = {
 
 
 def zoo_model(name: str) -> ZooModel:
-    """Look a model up by name, or import one given as ``"package.module:builder"``.
+    """Look a model up by name, take a name torchvision lists (``"efficientnet_b0"``), or
+    import one given as ``"package.module:builder"``.
 
-    An imported builder is called with no arguments, such as ``"torchvision.models:vit_b_16"``
-    or ``"monai.networks.nets:SegResNet"``; its batch is made from its first convolution and
-    its output (`_imported`).
+    A torchvision model is built by `torchvision.models.get_model` with random weights; an
+    imported builder is called with no arguments, such as ``"torchvision.models:vit_b_16"`` or
+    ``"monai.networks.nets:SegResNet"``. The batch of either is made from its first convolution
+    and its output (`_imported`).
 
     Raises:
         ValueError: for an unknown name (listing the known ones) or a builder that cannot be
@@ -282,9 +287,12 @@ def zoo_model(name: str) -> ZooModel:
         ZOO[name].check_installed()
         return ZOO[name]
     if ":" not in name:
+        if name in _torchvision_models():
+            return _imported(name, _torchvision_builder(name))
         raise ValueError(
-            f"lms: model={name!r} is not in the zoo; known: {', '.join(ZOO)}, or "
-            "'package.module:builder' for a classifier of your own"
+            f"lms: model={name!r} is not in the zoo; known: {', '.join(ZOO)}, a torchvision "
+            "model's name (torchvision.models.list_models(), with the zoo extra), or "
+            "'package.module:builder' for a model of your own"
         )
     module_name, _, attribute = name.partition(":")
     try:
@@ -294,6 +302,27 @@ def zoo_model(name: str) -> ZooModel:
     if not callable(build):
         raise ValueError(f"lms: model={name!r} is not callable")
     return _imported(name, build)
+
+
+def _torchvision_models() -> list[str]:
+    """The names torchvision's model registry lists, none where it is not installed."""
+    if importlib.util.find_spec("torchvision") is None:
+        return []
+    import torchvision
+
+    return list(torchvision.models.list_models())
+
+
+def _torchvision_builder(name: str) -> Callable[[], torch.nn.Module]:
+    """Torchvision's builder of ``name`` with random weights throughout: a backbone it would
+    otherwise load pretrained (segmentation and detection models) is left random too."""
+    import torchvision
+
+    builder = torchvision.models.get_model_builder(name)
+    own = inspect.signature(builder).parameters
+    return functools.partial(
+        builder, **({"weights_backbone": None} if "weights_backbone" in own else {})
+    )
 
 
 _CONVOLUTIONS = {torch.nn.Conv1d: 1, torch.nn.Conv2d: 2, torch.nn.Conv3d: 3}

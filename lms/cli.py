@@ -101,7 +101,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         dest="image_size",
         type=_count,
         metavar="N",
-        help="sequence length, for a language model (tinylm, gpt2, llama)",
+        help="sequence length, for a model of tokens (tinylm, gpt2, llama, a builder of yours)",
     )
     parser.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
@@ -479,6 +479,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parse_bytes(args.gpu_memory, field="--gpu-memory", positive=True)
         if getattr(args, "model", None) is not None:
             from lms.harness.zoo import zoo_model
+
+            if ":" in args.model and not {"", os.getcwd()} & set(sys.path):
+                # a builder of the user's comes from where the command runs, as with python -m
+                sys.path.insert(0, os.getcwd())
 
             entry = zoo_model(args.model)  # refuses a model whose packages are missing
             if args.batch_size is None:

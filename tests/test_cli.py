@@ -1,6 +1,8 @@
 """The command's contract for scripts: exit codes, logs on stderr, versions, help text."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -116,3 +118,29 @@ def test_language_models_of_the_zoo_are_analyzed_at_a_sequence_length(model, tmp
     assert main([*argv, "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["input_shapes"][0] == [1, 128]
+
+
+def test_the_command_imports_a_builder_from_the_folder_it_runs_in(tmp_path):
+    """The console script, unlike ``python -m``, does not put that folder on the path itself."""
+    script = shutil.which("lms", path=os.path.dirname(sys.executable))
+    if script is None:
+        pytest.skip("the lms command is not installed beside this Python")
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\n\n\ndef net():\n"
+        "    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 2, 1))\n"
+    )
+    argv = [
+        "-q",
+        "analyze",
+        "--model",
+        "mymodels:net",
+        "--image-size",
+        "8",
+        "--json",
+        "/dev/stdout",
+    ]
+    done = subprocess.run(
+        [script, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["input_shapes"] == [[1, 3, 8, 8], [1, 6, 6]]

@@ -204,16 +204,40 @@ def no_convolution():
     return torch.nn.Linear(4, 4)
 
 
+class _MeanOverTokens(torch.nn.Module):
+    def forward(self, x):
+        return x.mean(1)
+
+
+def token_classifier():
+    """Tokens of a vocabulary of 50 in, 3 classes a sequence out."""
+    return torch.nn.Sequential(torch.nn.Embedding(50, 8), _MeanOverTokens(), torch.nn.Linear(8, 3))
+
+
+def tiny_llama():
+    """A Hugging Face causal LM: its output's logits have a class a token, on the last dim."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
 @pytest.mark.parametrize(
     "builder, shapes",
     [
         ("volume_segmenter", [[1, 2, 12, 12, 12], [1, 12, 12, 12]]),
         ("signal_regressor", [[1, 1, 12], [1, 1]]),
+        ("token_classifier", [[1, 12], [1]]),
+        ("tiny_llama", [[1, 12], [1, 12]]),
     ],
 )
 def test_an_imported_builder_is_fed_what_its_first_convolution_takes(builder, shapes, tmp_path):
     """Volumes of the first convolution's channels, classes a voxel where the output has them,
-    a regression on one output channel; the step trains in both."""
+    a regression on one output channel, tokens of the first embedding's vocabulary with a class
+    a sequence or a token; the step trains in each."""
     out = tmp_path / "r.json"
     argv = ["-q", "analyze", "--model", f"tests.test_train:{builder}", "--image-size", "12"]
     assert main([*argv, "--json", str(out)]) == 0
@@ -225,7 +249,8 @@ def test_an_imported_builder_is_fed_what_its_first_convolution_takes(builder, sh
 def test_an_imported_builder_without_a_convolution_is_refused_naming_the_way_on(capsys):
     argv = ["analyze", "--model", "tests.test_train:no_convolution", "--image-size", "8"]
     assert main(argv) == 2
-    assert "has no convolution, so its input cannot be told from it" in capsys.readouterr().err
+    refused = capsys.readouterr().err
+    assert "has neither a convolution nor an embedding, so its input cannot be told" in refused
 
 
 def test_cli_keeps_named_submodules_on_the_device_and_refuses_other_names(tmp_path, capsys):

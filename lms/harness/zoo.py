@@ -125,7 +125,7 @@ class TinyLM(torch.nn.Module):
 
 def _lm_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
     tokens, targets = batch
-    logits = model(tokens)
+    logits = primary_output(model(tokens))
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
     loss.backward()
     return loss
@@ -140,6 +140,14 @@ def _classify_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> tor
         loss = torch.nn.functional.cross_entropy(out.float(), targets)
     loss.backward()
     return loss
+
+
+def _token_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`_classify_step` for a model of tokens, whose output may have a class a token on its
+    last dim (a language model's logits)."""
+    targets = batch[1]
+    per_sample = targets.is_floating_point() or targets.dim() < 2
+    return (_classify_step if per_sample else _lm_step)(model, batch)
 
 
 def _images(channels: int, classes: int) -> Callable[[int, int], Sequence[torch.Tensor]]:
@@ -325,20 +333,27 @@ def _torchvision_builder(name: str) -> Callable[[], torch.nn.Module]:
     )
 
 
-_CONVOLUTIONS = {torch.nn.Conv1d: 1, torch.nn.Conv2d: 2, torch.nn.Conv3d: 3}
-_DEFAULT_SIZES = {1: 16000, 2: 224, 3: 96}
+_INPUTS: dict[type[torch.nn.Module], int] = {
+    torch.nn.Embedding: 0,
+    torch.nn.Conv1d: 1,
+    torch.nn.Conv2d: 2,
+    torch.nn.Conv3d: 3,
+}
+"""The modules an imported model's input is told from, with its spatial dims (0: tokens)."""
+_DEFAULT_SIZES = {0: 512, 1: 16000, 2: 224, 3: 96}
 
 
 def _imported(name: str, build: Callable[[], torch.nn.Module]) -> ZooModel:
-    """A model from a builder of the user's: its input is what its first convolution takes (a
-    batch of 1D signals, images or volumes of that many channels, ``size`` along each spatial
-    dim), and its targets are classes of its output's channels, per sample or per pixel as the
-    output has them (one channel: a regression on zeros). The builder runs on the meta device
-    to find them, so this costs no memory.
+    """A model from a builder of the user's, fed what its first input module takes: a
+    convolution's batch of 1D signals, images or volumes of its channels (``size`` along each
+    spatial dim), or an embedding's batch of ``size`` tokens of its vocabulary. Its targets are
+    classes of its output's channels, per sample, pixel or token as the output has them (a
+    token's last: a language model's logits), or with one channel a regression on zeros. The
+    builder runs on the meta device to find them, so this costs no memory.
 
     Raises:
-        ValueError: the builder fails, or the model has no convolution to take its input from;
-            from ``make_batch``, the model fails on the batch's shape.
+        ValueError: the builder fails, or the model has neither a convolution nor an embedding
+            to take its input from; from ``make_batch``, the model fails on the batch's shape.
     """
     try:
         with torch.device("meta"):
@@ -349,36 +364,47 @@ def _imported(name: str, build: Callable[[], torch.nn.Module]) -> ZooModel:
         ) from None
     if not isinstance(probe, torch.nn.Module):
         raise ValueError(f"lms: model={name!r} built a {type(probe).__name__}, not a module")
-    first = next((m for m in probe.modules() if type(m) in _CONVOLUTIONS), None)
-    if not isinstance(first, torch.nn.modules.conv._ConvNd):
+    first = next((m for m in probe.modules() if type(m) in _INPUTS), None)
+    if first is None:
         raise ValueError(
-            f"lms: model={name!r} has no convolution, so its input cannot be told from it; "
-            "train it with lms.LMS around your own step, or plan it with lms.analyze and your "
-            "own batch"
+            f"lms: model={name!r} has neither a convolution nor an embedding, so its input "
+            "cannot be told from it; train it with lms.LMS around your own step, or plan it with "
+            "lms.analyze and your own batch"
         )
-    dims, channels = _CONVOLUTIONS[type(first)], first.in_channels
+    dims = _INPUTS[type(first)]
+
+    def inputs_of(size: int, batch: int) -> torch.Tensor:
+        if isinstance(first, torch.nn.Embedding):
+            return torch.randint(0, first.num_embeddings, (batch, size))
+        assert isinstance(first, torch.nn.modules.conv._ConvNd)
+        return torch.randn(batch, first.in_channels, *[size] * dims)
 
     def make(size: int, batch: int) -> Sequence[torch.Tensor]:
-        inputs = torch.randn(batch, channels, *[size] * dims)
+        inputs = inputs_of(size, batch)
         try:
             with _disable_current_modes(), torch.no_grad():
-                shape = primary_output(probe(torch.empty(inputs.shape, device="meta"))).shape
+                meta = torch.empty_like(inputs, device="meta")
+                shape = primary_output(probe(meta)).shape
         except Exception as error:  # the user's model: whatever it raises is reported as theirs
             raise ValueError(
                 f"lms: model={name!r} fails on a batch of shape {list(inputs.shape)}: "
                 f"{type(error).__name__}: {error}; try another size or batch size"
             ) from None
-        if len(shape) < 2 or shape[1] < 2:
+        if dims == 0 and len(shape) == 3:  # a class a token, on the last dim
+            classes, per = shape[2], (batch, shape[1])
+        else:
+            classes, per = (shape[1] if len(shape) > 1 else 1), (batch, *shape[2:])
+        if classes < 2:
             return [inputs, torch.zeros(shape)]
-        return [inputs, torch.randint(0, shape[1], (batch, *shape[2:]))]
+        return [inputs, torch.randint(0, classes, per)]
 
     return ZooModel(
         name,
         build,
         make,
-        ("samples", "pixels", "voxels")[dims - 1],
-        lambda s: s**dims,
+        ("tokens", "samples", "pixels", "voxels")[dims],
+        lambda s: s ** max(dims, 1),
         _DEFAULT_SIZES[dims],
-        _classify_step,
-        classifies_images=dims == 2 and channels == 3,
+        _token_step if dims == 0 else _classify_step,
+        classifies_images=dims == 2 and getattr(first, "in_channels", 0) == 3,
     )

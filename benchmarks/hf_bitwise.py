@@ -2,7 +2,10 @@
 ViT, tiny configs (hidden 256, three layers; sequence 512, or 224 px), random weights, on the
 CPU's disk tier. Each is tuned (`LMS.tune`) at a budget 30% of the way from the least any plan
 needs to its peak without offload and runs three steps against three plain ones, PyTorch's
-deterministic algorithms on; it passes when every loss and gradient holds the same bits.
+deterministic algorithms on; it passes when every loss and gradient holds the same bits. The
+language models take a batch as a tokenizer gives it (an attention mask of ones, and labels)
+through the default step; each run also counts the steps that left their plan
+(``diverged_steps``).
 
     .venv/bin/python benchmarks/hf_bitwise.py [--json benchmarks/results/hf_bitwise_cpu.json]
 """
@@ -35,16 +38,11 @@ from transformers import (
 
 import lms
 from lms.analysis import simulate, trace_step
+from lms.analysis.trace import default_step
 from lms.orchestration.local import local_device_spec
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 3}
 LM = {**SHAPE, "vocab_size": 500, "num_attention_heads": 4}
-
-
-def _lm(model: Any, batch: list[torch.Tensor]) -> torch.Tensor:
-    out = model(input_ids=batch[0], labels=batch[0])
-    out.loss.backward()
-    return out.loss
 
 
 def _seq2seq(model: Any, batch: list[torch.Tensor]) -> torch.Tensor:
@@ -59,15 +57,17 @@ def _image(model: Any, batch: list[torch.Tensor]) -> torch.Tensor:
     return out.loss
 
 
-def _cases() -> dict[str, tuple[Callable[[], Any], list[torch.Tensor], Callable[..., Any]]]:
+def _cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | None]]:
     ids = torch.randint(0, 500, (4, 512))
+    # as a tokenizer gives it, with labels, through the default step (the model's own loss)
+    tokens = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     t5 = T5Config(
         vocab_size=500, d_model=256, d_kv=64, d_ff=1024, num_layers=2, num_heads=4,
         decoder_start_token_id=0,
     )  # fmt: skip
     vit = ViTConfig(**SHAPE, num_attention_heads=4, image_size=224, patch_size=16, num_labels=10)
     return {
-        "bert": (lambda: BertForMaskedLM(BertConfig(**LM)), [ids], _lm),
+        "bert": (lambda: BertForMaskedLM(BertConfig(**LM)), tokens, None),
         "t5": (
             lambda: T5ForConditionalGeneration(t5),
             [ids, torch.randint(0, 500, (4, 256))],
@@ -75,17 +75,17 @@ def _cases() -> dict[str, tuple[Callable[[], Any], list[torch.Tensor], Callable[
         ),
         "qwen2": (
             lambda: Qwen2ForCausalLM(Qwen2Config(**LM, num_key_value_heads=2)),
-            [ids],
-            _lm,
+            tokens,
+            None,
         ),
         "mistral": (
             lambda: MistralForCausalLM(
                 MistralConfig(**LM, num_key_value_heads=2, sliding_window=128)
             ),
-            [ids],
-            _lm,
+            tokens,
+            None,
         ),
-        "gpt_neox": (lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**LM)), [ids], _lm),
+        "gpt_neox": (lambda: GPTNeoXForCausalLM(GPTNeoXConfig(**LM)), tokens, None),
         "vit": (
             lambda: ViTForImageClassification(vit),
             [torch.randn(8, 3, 224, 224), torch.randint(0, 10, (8,))],
@@ -96,7 +96,8 @@ def _cases() -> dict[str, tuple[Callable[[], Any], list[torch.Tensor], Callable[
 
 def check(name: str, spill_dir: str) -> dict[str, Any]:
     """Tune ``name`` between its floor and its peak; three steps against plain ones."""
-    build, batch, step = _cases()[name]
+    build, batch, given = _cases()[name]
+    step = given or default_step
     torch.manual_seed(0)
     model = build()
     plain, moved = copy.deepcopy(model), copy.deepcopy(model)
@@ -108,7 +109,7 @@ def check(name: str, spill_dir: str) -> dict[str, Any]:
     except lms.PlanInfeasibleError as error:
         floor = error.min_budget_bytes
     offload = lms.LMS(budget=int(floor + 0.3 * (peak - floor)), tier="disk", spill_dir=spill_dir)
-    offload.tune(moved, batch, step)
+    offload.tune(moved, batch, given)
     bitwise = True
     for seed in range(3):
         plain.zero_grad(set_to_none=True)
@@ -129,6 +130,7 @@ def check(name: str, spill_dir: str) -> dict[str, Any]:
         "bitwise": bitwise and stats.replays_differed == 0,
         "offloaded_per_step": stats.offloaded_tensors // 3,
         "recomputed_per_step": stats.recomputed_tensors // 3,
+        "diverged_steps": stats.diverged_steps,
         "saved_entries": offload.plan.num_entries if offload.plan else 0,
     }
 

@@ -14,16 +14,18 @@ import itertools
 import logging
 import sys
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
 )
 from torch.nn.parameter import is_lazy
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lms.analysis import fsdp
@@ -41,9 +43,22 @@ log = logging.getLogger("lms.analysis")
 StepFn = Callable[[torch.nn.Module, Any], Any]
 
 
-def default_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Forward, a mean over the output as the loss, backward. Returns the loss."""
-    loss = primary_output(model(*batch)).float().mean()
+def default_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """Forward, the loss, backward; returns the loss.
+
+    A mapping batch is passed by keyword (``model(**batch)``, a Hugging Face tokenizer's
+    output), a tensor as the one argument, a sequence as the arguments. The loss is the model's
+    own where its output carries one (a Hugging Face model given ``labels``), else a mean over
+    its `primary_output`.
+    """
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+    elif isinstance(batch, torch.Tensor):
+        out = model(batch)
+    else:
+        out = model(*batch)
+    own = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    loss = own if isinstance(own, torch.Tensor) else primary_output(out).float().mean()
     loss.backward()
     return loss
 
@@ -64,6 +79,37 @@ def primary_output(out: object) -> torch.Tensor:
     if isinstance(out, (tuple, list)) and out:
         return primary_output(out[0])
     raise TypeError(f"lms: the model returned {type(out).__name__}, which holds no tensor")
+
+
+# Note: [An attention mask of ones is traced as none]
+# A Hugging Face model given an attention mask of ones (no padding, as a tokenizer gives for
+# sequences of one length) lets SDPA mask causally by itself, and builds no mask, where it can
+# read the mask's values; where the mask is a fake tensor it cannot, and builds one. The traced
+# step would then save and run what the real one does not (a mask, and on a GPU another
+# attention kernel), and the runtime would find its plan made for another step. A mask of ones
+# means what no mask means, so the model is traced without it (its bytes still counted among
+# the batch's), and takes the path the real step takes.
+def _mask_of_ones(model: torch.nn.Module, batch: Any) -> bool:
+    """Whether ``batch`` gives Hugging Face ``model`` an attention mask of real ones."""
+    transformers = sys.modules.get("transformers")
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    if transformers is None or not isinstance(mask, torch.Tensor) or isinstance(mask, FakeTensor):
+        return False
+    if mask.is_meta or not isinstance(
+        getattr(model, "_orig_mod", model), transformers.PreTrainedModel
+    ):
+        return False
+    with _disable_current_modes():
+        return bool(mask.all())
+
+
+def _as(kind: type, items: dict[str, Any]) -> Any:
+    """``items`` as a mapping of ``kind``, or as the dict they are where ``kind`` is not built
+    from one."""
+    try:
+        return kind(items)
+    except Exception:  # a mapping type of the user's: its constructor may take anything
+        return items
 
 
 def _refuse_sharded(model: torch.nn.Module, name: str, units: list[fsdp.Unit]) -> None:
@@ -304,7 +350,10 @@ def trace_step(
         fake_state,
         split_modules(built, slabs or {}),
     ):
-        leaves, structure = tree_flatten(batch() if callable(batch) else batch)
+        given = batch() if callable(batch) else batch
+        # a mapping pytree does not know (a tokenizer's BatchEncoding) is faked as a dict
+        mapping = isinstance(given, Mapping) and type(given) is not dict
+        leaves, structure = tree_flatten(dict(given) if mapping else given)
         leaves = [
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
             if isinstance(t, torch.Tensor)
@@ -312,6 +361,10 @@ def trace_step(
             for t in leaves
         ]
         inputs = tree_unflatten(leaves, structure)  # the batch's own structure, faked
+        if _mask_of_ones(built, given):  # Note [An attention mask of ones is traced as none]
+            inputs["attention_mask"] = None
+        if mapping:
+            inputs = _as(type(given), inputs)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         opt = optimizer(built.parameters()) if optimizer is not None else None
         input_shapes = tuple(tuple(t.shape) for t in tensors)

@@ -253,6 +253,8 @@ class Session:
                 and len(step.entries) != self.plan.num_entries
             ):
                 self._follow.diverge(step, len(step.entries), "plan was made for")
+            if step is not None and step.diverged:
+                self.stats.diverged_steps += 1
             self._follow.calibrate(step)
             if step is not None and not step.light and not step.diverged:
                 self._replays.checked = self.plan

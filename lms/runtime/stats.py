@@ -38,6 +38,9 @@ class LMSStats:
     """Storages dropped in forward and recomputed in backward, as the plan said."""
     recomputed_bytes: int = 0
     """Their bytes (counted once per storage, not per recompute)."""
+    diverged_steps: int = 0
+    """Steps that saved other tensors than their plan was made for, and followed the runtime's
+    own policy from there (an `[LMS]` warning says where, for the first)."""
     replays_differed: int = 0
     """Replays checked against forward's bits (a plan's first step) that differed; each such
     storage is offloaded instead from the next step on."""

@@ -84,3 +84,38 @@ def test_hugging_face_models_train_bitwise(kind, half, plan, spill_dir):
     moved = offload.stats.offloaded_tensors + offload.stats.recomputed_tensors
     assert moved > 0
     offload.close()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["ones", "padded"])
+def test_a_tokenizers_batch_is_traced_as_the_step_runs_it(padded, spill_dir, caplog):
+    """A BatchEncoding with an attention mask and labels, through the default step (the model's
+    own loss): with a mask of ones the model builds no mask of its own where it runs, and is
+    traced so (Note [An attention mask of ones is traced as none]); with padding it builds one
+    in both. Either way every step follows the plan, bit for bit."""
+    model = _model("llama")
+    for layer in model.model.layers:  # without dropout SDPA runs its fused kernel, masked or not
+        layer.self_attn.attention_dropout = 0.0
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[0, 48:] = 0
+    batch = transformers.BatchEncoding({"input_ids": ids, "attention_mask": mask, "labels": ids})
+
+    def run(offload=None):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with offload if offload is not None else contextlib.nullcontext():
+            loss = model(**batch).loss
+            loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain = run()
+    plan = recomputing_plan(trace_step(model, batch, device="cpu", min_offload_bytes=0))
+    offload = lms.LMS(plan=plan, tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+    with caplog.at_level("WARNING", logger="lms"):
+        for _ in range(2):
+            assert_bitwise(plain, run(offload))
+    assert not [r for r in caplog.records if "own policy" in r.getMessage()]
+    assert offload.stats.diverged_steps == 0
+    assert offload.stats.offloaded_tensors == 2 * len(plan.offload) > 0
+    offload.close()

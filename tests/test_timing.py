@@ -107,6 +107,17 @@ def test_timing_draws_nothing_from_the_random_streams():
     assert torch.equal(after, torch.rand(4))
 
 
+def test_measuring_this_cpu_draws_nothing_from_the_random_streams(monkeypatch):
+    """A tune measures the CPU's rates in the step's own process, before its first step: a
+    draw from the generator the user seeded would change that step's dropout."""
+    monkeypatch.setattr(local, "_MEASURED_CPU", {})
+    torch.manual_seed(7)
+    local._local_cpu_spec()
+    after = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(4))
+
+
 def test_calls_that_cannot_run_here_keep_the_rates(caplog):
     trace = _trace(_net(width=256), batch=64, width=256)
     largest = max(range(len(trace.ops)), key=lambda i: trace.ops[i].working_set_bytes)

@@ -107,14 +107,24 @@ def measure_compute(device: torch.device, at_least_s: float = 0.05) -> ComputeRa
         return _measure_compute(device, at_least_s)
 
 
+def _made_up(
+    *shape: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Values to time ops on, drawn from a generator of their own: measuring a device draws
+    nothing from the random streams the user seeded, which the step's dropout then draws from
+    as it would have."""
+    generator = torch.Generator(device).manual_seed(0)
+    return torch.randn(*shape, device=device, dtype=dtype, generator=generator)
+
+
 def _measure_compute(device: torch.device, at_least_s: float) -> ComputeRates:
     half = torch.bfloat16
     cuda = device.type == "cuda"
     batch = 8 if cuda else 1
     inputs = {
         dtype: (
-            torch.randn(batch, 64, 128, 128, device=device, dtype=dtype),
-            torch.randn(64, 64, 3, 3, device=device, dtype=dtype),
+            _made_up(batch, 64, 128, 128, device=device, dtype=dtype),
+            _made_up(64, 64, 3, 3, device=device, dtype=dtype),
         )
         for dtype in (torch.float32, half)
     }
@@ -129,7 +139,7 @@ def _measure_compute(device: torch.device, at_least_s: float) -> ComputeRates:
             conv[dtype] = 3 * flops / _seconds_per_call(both, device, at_least_s)
     del inputs
     numel = (16 if cuda else 4) * 1024**2
-    a, b = (torch.randn(numel, device=device) for _ in range(2))
+    a, b = (_made_up(numel, device=device) for _ in range(2))
     out = torch.empty_like(a)
     seconds = _seconds_per_call(lambda: torch.add(a, b, out=out), device, at_least_s)
     return ComputeRates(conv[torch.float32], conv[half], 3 * 4 * numel / seconds / 1e9)
@@ -206,7 +216,7 @@ def measure_fresh_memory_gbps(pairs: int = 9) -> float | None:
     median of their differences: a shared machine's noise is of the size of the difference);
     None where the fresh one costs nothing more."""
     numel = FRESH_PAGES_BYTES // 4
-    a, b = torch.randn(numel), torch.randn(numel)
+    a, b = _made_up(numel), _made_up(numel)
     out = torch.add(a, b)
     extra = []
     with torch.no_grad():

@@ -59,6 +59,7 @@ def default_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         out = model(*batch)
     own = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
     loss = own if isinstance(own, torch.Tensor) else primary_output(out).float().mean()
+    del out, own  # the output's tensors are the plan's to move while backward runs
     loss.backward()
     return loss
 

@@ -543,7 +543,10 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # channels-last layout where its input or its weight is in it, and copies an input that is not
 # (an instance norm's output, which comes contiguous) into it first; backward likewise copies an
 # output gradient laid out otherwise than the convolution runs (the gradient of a mean over
-# channels, which comes contiguous). A dilated
+# channels, which comes contiguous). A depthwise convolution in the channels-last layout with a
+# kernel wider than 3 (EfficientNet's and MobileNetV3's 5x5, ConvNeXt's 7x7) makes its weight
+# gradient with each channel's single input and output counted up to a whole block, hundreds of
+# times its own bytes (`_padded_depthwise`). A dilated
 # convolution whose kernel spans more than its input takes more than estimated. The simulator
 # counts scratch for the "cpu" spec only (`DeviceSpec.cpu_scratch`); other ops' scratch is small.
 # The sizes measured per kernel, and how close the estimates came: benchmarks/results/README.md,
@@ -590,6 +593,7 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
     if last:
         if backward:
             wide = 2 * made if strided and not transposed and args[10][0] else 0
+            weights += _padded_depthwise(given, weight, groups, args[10][1])
             return weights + relayout + (max(wide, widened) if strided or transposed else widened)
         return weights + relayout + (made if transposed else 0)
     pad = _blocked(given), _blocked(grad_out)
@@ -607,6 +611,22 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
     if widened and not args[10][0] and pointwise:
         widened = 0  # a pointwise convolution's weight gradient alone: none
     return weights + relayout + pad[1] + max(pad[0], input_grad) + widened
+
+
+def _padded_depthwise(
+    given: torch.Tensor, weight: torch.Tensor, groups: int, weight_grad: bool
+) -> int:
+    """Bytes of the weight gradient oneDNN makes for a depthwise convolution in the channels-last
+    layout with a kernel wider than 3 (5x5, 7x7): each channel's single input and output counted
+    up to a whole block of `_CHANNEL_BLOCK` each, `_CHANNEL_BLOCK` squared times its taps (a 3x3
+    kernel's gradient is made as it is). Measured in 2D, single precision; 0 otherwise."""
+    depthwise = groups > 1 and groups == given.size(1) == weight.size(0) and weight.size(1) == 1
+    if not weight_grad or not depthwise or given.dim() != 4 or given.element_size() != 4:
+        return 0
+    if max(weight.shape[2:]) <= 3:
+        return 0
+    taps = math.prod(weight.shape[2:])
+    return groups * _CHANNEL_BLOCK * _CHANNEL_BLOCK * taps * weight.element_size()
 
 
 def _widened(given: torch.Tensor, grad_out: torch.Tensor, args: Any, strided: bool) -> int:

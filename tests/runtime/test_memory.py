@@ -304,16 +304,17 @@ DEPTHWISE = COMMON + textwrap.dedent(
 )
 
 
-def _avx512() -> bool:
-    """Whether this CPU has AVX-512, whose oneDNN kernels block channels by 16."""
+def _cpu_has(flag: str) -> bool:
+    """Whether this CPU lists ``flag`` (AVX-512, whose oneDNN kernels block channels by 16; AMX
+    tiles for bfloat16, whose kernels take other scratch)."""
     try:
         with open("/proc/cpuinfo") as info:
-            return "avx512f" in info.read()
+            return flag in info.read().split()
     except OSError:
         return False
 
 
-@pytest.mark.skipif(not _avx512(), reason="measured with AVX-512's blocks of 16 channels")
+@pytest.mark.skipif(not _cpu_has("avx512f"), reason="measured with AVX-512's 16-channel blocks")
 def test_wide_depthwise_kernels_weight_gradients_are_simulated():
     result = script_json(DEPTHWISE)
     steady = max(result["measured"][1:])
@@ -322,21 +323,12 @@ def test_wide_depthwise_kernels_weight_gradients_are_simulated():
     assert steady > 10 * 2**20 and abs(steady / result["simulated"] - 1) <= 0.05, result
 
 
-def _amx() -> bool:
-    """Whether this CPU has AMX tiles for bfloat16, whose oneDNN kernels take other scratch."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            return "amx_bf16" in info.read()
-    except OSError:
-        return False
-
-
 # The bfloat16 scratch estimates (Note [Convolution scratch on the CPU]) were measured on a CPU
 # with AVX-512 BF16 and no AMX. With AMX, oneDNN's bfloat16 convolution backward takes other
 # scratch: a 32->16 channel 3x3x3 backward at 48^3 took 5.5 MiB more than estimated, a 64->32
 # one 15 MiB less (benchmarks/results/README.md, "Convolution scratch on the CPU"), and the plain
 # step of this test peaks 5.9% over its simulation there.
-@pytest.mark.skipif(_amx(), reason="bfloat16 convolution scratch is not yet modelled for AMX")
+@pytest.mark.skipif(_cpu_has("amx_bf16"), reason="bfloat16 scratch is not yet modelled for AMX")
 def test_half_precision_convolutions_scratch_is_simulated_and_kept_within_budget(tmp_path):
     """Note [Convolution scratch on the CPU]: under bfloat16 autocast the heap grows as simulated,
     with and without a plan (the estimates for single precision fell 9% short of the plain step)."""

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import lms
+from lms.analysis.simulate import simulate
 from lms.core.plan import Plan
-from lms.orchestration import cache
+from lms.orchestration import cache, local
+from lms.orchestration.tuning import tune_step
 from lms.planning.candidates import Candidates
 from lms.planning.minimum import smallest_plan
 from tests.planning.test_planners import Skips
@@ -40,8 +42,13 @@ def _tune(folder, budget="18MiB", planner=None):
     )
 
 
+def _plans(folder):
+    """The plans kept in ``folder``, without the op times kept beside them."""
+    return sorted(name for name in os.listdir(folder) if not name.endswith(".times.json"))
+
+
 def _only_file(folder):
-    (name,) = os.listdir(folder)
+    (name,) = _plans(folder)
     return folder / name
 
 
@@ -51,6 +58,36 @@ def test_a_tuned_plan_is_loaded_the_next_time(tmp_path, caplog):
     assert "Loaded the plan" not in caplog.text
     assert _tune(tmp_path) == plan
     assert "Loaded the plan" in caplog.text
+
+
+def test_a_loaded_plan_is_priced_at_the_op_times_it_was_tuned_at(tmp_path, monkeypatch):
+    """Note [A cached plan keeps its op times]: loaded in a new process, which has timed
+    nothing, the plan is priced as when it was tuned; times kept for another step are not
+    taken."""
+    monkeypatch.setattr(local, "_TIMED", {})
+    settings = {"budget_bytes": lms.parse_bytes("18MiB"), "min_offload_bytes": 0}
+    batch = [torch.randn(2048, 256)]
+    torch.manual_seed(0)
+    model = Skips()
+    tuned = tune_step(model, batch, _step, cache_dir=str(tmp_path), **settings)
+    assert tuned.spec.op_timings is not None and tuned.spec.op_timings.timed > 0
+    monkeypatch.setattr(local, "_TIMED", {})
+
+    def timed_again(*args, **kwargs):
+        raise AssertionError("a loaded plan's ops were timed again")
+
+    monkeypatch.setattr(local, "time_ops", timed_again)
+    loaded = tune_step(model, batch, _step, cache_dir=str(tmp_path), **settings)
+    assert loaded.plan == tuned.plan
+    assert loaded.spec.op_timings.seconds == tuned.spec.op_timings.seconds
+    assert simulate(loaded.trace, loaded.plan, loaded.spec).step_s == pytest.approx(
+        simulate(tuned.trace, tuned.plan, tuned.spec).step_s, rel=1e-9
+    )
+    (times,) = set(os.listdir(tmp_path)) - set(_plans(tmp_path))
+    kept = json.loads((tmp_path / times).read_text())
+    (tmp_path / times).write_text(json.dumps({**kept, "fingerprint": "another step"}))
+    again = tune_step(model, batch, _step, cache_dir=str(tmp_path), **settings)
+    assert again.plan == tuned.plan and again.spec.op_timings is None
 
 
 @pytest.mark.parametrize(
@@ -81,7 +118,7 @@ def test_plans_for_another_budget_or_planner_are_kept_apart(tmp_path):
     tuned = _tune(tmp_path)
     _tune(tmp_path, budget="20MiB")
     assert _tune(tmp_path, planner=_everything_out).source == "minimum"
-    assert len(os.listdir(tmp_path)) == 3
+    assert len(_plans(tmp_path)) == 3
     assert _tune(tmp_path) == tuned  # not the other planner's
 
 
@@ -93,7 +130,7 @@ def test_a_plan_kept_by_other_planner_code_is_tuned_again(tmp_path, caplog, monk
     caplog.set_level("INFO", logger="lms")
     assert _tune(tmp_path) == tuned
     assert "Loaded the plan" not in caplog.text  # tuned, and filed apart
-    assert len(os.listdir(tmp_path)) == 2
+    assert len(_plans(tmp_path)) == 2
 
 
 def test_the_cache_folder_comes_from_the_environment(tmp_path, monkeypatch):
@@ -102,7 +139,7 @@ def test_the_cache_folder_comes_from_the_environment(tmp_path, monkeypatch):
     assert cache.cache_folder(str(tmp_path / "given")) == str(tmp_path / "given")
     torch.manual_seed(0)
     lms.LMS(budget="18MiB", min_offload_bytes=0).tune(Skips(), [torch.randn(2048, 256)], _step)
-    assert len(os.listdir(tmp_path / "env")) == 1
+    assert len(_plans(tmp_path / "env")) == 1
 
 
 def test_a_failed_write_leaves_no_file(tmp_path, monkeypatch):

@@ -3,8 +3,11 @@ cannot run left to the rates, the random streams untouched, and the simulator ta
 for the trace timed alone."""
 
 import dataclasses
+import json
 import logging
+import subprocess
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -12,10 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lms.analysis import trace_step
 from lms.analysis.simulate import op_seconds, simulate
-from lms.core.devices import DEVICES, OpTimings
+from lms.core.devices import DEVICES, FRESH_PAGES_BYTES, MAPPED_ALONE_BYTES, OpTimings
 from lms.core.records import OpCall, TensorMeta
 from lms.orchestration import local, timing, tuning
 from lms.orchestration.timing import time_ops
+from lms.runtime import heap
 
 CPU = torch.device("cpu")
 
@@ -35,7 +39,7 @@ def test_each_distinct_call_is_timed_once_and_alike_calls_share_its_time(monkeyp
     trace = _trace(_net())
     sent = []
 
-    def child(jobs, device, limit_s):
+    def child(jobs, device, limit_s, mapped_bytes=None):
         sent.extend(jobs)
         return {position: 1e-3 * (position + 1) for position in range(len(jobs))}
 
@@ -244,15 +248,15 @@ def test_a_gpu_plan_is_priced_at_its_ops_timed_on_the_card(monkeypatch):
     trace = _trace(_net())
     asked = []
 
-    def timed(trace, device, *, max_bytes=None):
-        asked.append((device, max_bytes))
+    def timed(trace, device, *, max_bytes=None, mapped_bytes=None):
+        asked.append((device, max_bytes, mapped_bytes))
         return OpTimings(trace.fingerprint(), tuple(1e-3 for _ in trace.ops))
 
     monkeypatch.setattr(local, "time_ops", timed)
     cuda = torch.device("cuda")
     spec = DEVICES["h100-80gb"]
     first = local.with_local_timings(spec, trace, cuda, 2**30)
-    assert asked == [(cuda, 2**30)] and first.op_timings is not None
+    assert asked == [(cuda, 2**30, None)] and first.op_timings is not None
     assert local.with_local_timings(spec, trace, cuda, 2**30).op_timings is first.op_timings
     benchmark = torch.backends.cudnn.benchmark
     try:
@@ -312,3 +316,46 @@ def test_a_timing_process_that_dies_on_an_op_names_it_and_times_the_rest(monkeyp
         if call is not None and not call.op.is_view and str(call.op) != victim
     ]
     assert others and all(taken is not None and taken > 0 for taken in others)
+
+
+def test_a_cpu_steps_ops_are_timed_with_the_allocator_threshold_it_runs_under(monkeypatch):
+    """Note [Fresh pages]: under a CPU budget, allocations of a MiB or more fault their pages in
+    afresh each time, outputs and a kernel's scratch alike; the timing process is told to map
+    them so too, and the times are kept apart by threshold."""
+    monkeypatch.setattr(local, "_TIMED", {})
+    trace = _trace(_net())
+    told = []
+
+    def child(jobs, device, limit_s, mapped_bytes=None):
+        told.append(mapped_bytes)
+        return {}
+
+    monkeypatch.setattr(timing, "_time_in_child", child)
+    resident = DEVICES["cpu"]
+    own = dataclasses.replace(resident, page_mapped_bytes=FRESH_PAGES_BYTES)
+    for spec in (resident, own, resident):
+        local.with_local_timings(spec, trace, CPU)
+    assert told == [MAPPED_ALONE_BYTES, FRESH_PAGES_BYTES]
+
+
+@pytest.mark.skipif(heap._MALLINFO2 is None, reason="counts mapped chunks by mallinfo2")
+def test_the_threshold_gives_each_large_allocation_pages_of_its_own():
+    script = textwrap.dedent(
+        """
+        import json, torch
+        from lms.runtime.heap import _MALLINFO2, map_alone_from
+        torch.empty(2**21).fill_(0)  # 8 MiB freed: glibc raises its threshold past 2 MiB
+        before = _MALLINFO2().hblkhd
+        x = torch.empty(2**19); kept = _MALLINFO2().hblkhd - before; del x
+        map_alone_from(2**20)
+        before = _MALLINFO2().hblkhd
+        y = torch.empty(2**19); mapped = _MALLINFO2().hblkhd - before; del y
+        print(json.dumps({"kept": kept, "mapped": mapped, "freed": _MALLINFO2().hblkhd - before}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["kept"] == 0 and result["freed"] == 0, result
+    assert 2**21 <= result["mapped"] <= 2**21 + 2 * 4096, result

@@ -148,8 +148,11 @@ def op_seconds(
 # tensors of its shapes, and the simulator takes those times (plus the spec's per-op overhead, for
 # the framework's own work around each op) in place of the rates, for that trace alone (the
 # fingerprint must match). Ops not timed keep the rates. Replays are the same ops, so a plan prices
-# its recomputation at what it costs too. Ops are timed on a warm heap (Note [Fresh pages]), each
-# the fastest of its runs, since below `FRESH_PAGES_BYTES` a step's tensors mostly reuse memory. How
+# its recomputation at what it costs too. Each time is the fastest of its runs, under the C
+# allocator's threshold the step runs under (`DeviceSpec.page_mapped_bytes`, Note [Fresh pages]):
+# with glibc's own, on a warm heap, since below `FRESH_PAGES_BYTES` a step's tensors mostly reuse
+# memory; under a CPU budget's, each allocation of a MiB or more faults its pages in at every run,
+# as in the step, a convolution's scratch as well as its output, which the rates cannot see. How
 # far the rates and the times were off: benchmarks/results/README.md, "Ops timed on the device".
 def _timed_seconds(trace: Trace, spec: DeviceSpec) -> list[float | None]:
     """The measured seconds of each op of ``trace`` on ``spec`` (Note [Ops timed on the

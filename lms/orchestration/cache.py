@@ -21,12 +21,20 @@ import tempfile
 from collections.abc import Sequence
 
 from lms.analysis.simulate import simulate
-from lms.core.devices import DeviceSpec
+from lms.core.devices import DeviceSpec, OpTimings
 from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.core.units import format_bytes
 
-__all__ = ["ENV_VAR", "cache_folder", "cache_path", "load_cached", "planner_code", "save_plan"]
+__all__ = [
+    "ENV_VAR",
+    "cache_folder",
+    "cache_path",
+    "load_cached",
+    "load_timings",
+    "planner_code",
+    "save_plan",
+]
 
 log = logging.getLogger("lms.orchestration.tuning")
 ENV_VAR = "LMS_CACHE_DIR"
@@ -134,14 +142,50 @@ def load_cached(
     return plan
 
 
-def save_plan(plan: Plan, path: str) -> None:
-    """Write ``plan`` to ``path`` whole: to a temporary file in the same folder, then renamed."""
+def save_plan(plan: Plan, path: str, timings: OpTimings | None = None) -> None:
+    """Write ``plan`` to ``path`` whole: to a temporary file in the same folder, then renamed;
+    and beside it the op times it was priced at, if any (`load_timings`)."""
+    if timings is not None:
+        times = {"fingerprint": timings.fingerprint, "seconds": list(timings.seconds)}
+        _write_whole(_times_path(path), json.dumps(times))
+    _write_whole(path, plan.to_json())
+
+
+# Note: [A cached plan keeps its op times]
+# A plan tuned on the device it runs on is priced at its ops' measured times (Note [Ops timed on
+# the device]), which take seconds to minutes to measure. A plan loaded from the cache is priced
+# again for what the run reports (its predicted step, the record's), and at the rates alone it
+# came out a third lower than when it was tuned, for the same plan. So the times are kept beside
+# the plan, named by the trace they were measured on, and the loaded plan is priced at them.
+def load_timings(path: str, trace: Trace) -> OpTimings | None:
+    """The op times kept beside the plan at ``path`` (`save_plan`), if they are ``trace``'s;
+    None otherwise (the rates price its ops)."""
+    try:
+        with open(_times_path(path)) as handle:
+            data = json.load(handle)
+        timings = OpTimings(
+            fingerprint=str(data["fingerprint"]),
+            seconds=tuple(None if s is None else float(s) for s in data["seconds"]),
+        )
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if timings.fingerprint != trace.fingerprint() or len(timings.seconds) != len(trace.ops):
+        return None
+    return timings
+
+
+def _times_path(path: str) -> str:
+    return f"{os.path.splitext(path)[0]}.times.json"
+
+
+def _write_whole(path: str, text: str) -> None:
+    """``text`` at ``path``, written to a temporary file in the same folder, then renamed."""
     folder = os.path.dirname(path) or "."
     os.makedirs(folder, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=".plan-", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(handle, "w") as out:
-            out.write(plan.to_json())
+            out.write(text)
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):

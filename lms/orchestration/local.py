@@ -113,15 +113,16 @@ def with_local_timings(
 ) -> DeviceSpec:
     """``spec`` with the times of ``trace``'s ops on ``device`` (Note [Ops timed on the
     device]; ops over ``budget`` keep the rates), timed once a process for each step, device,
-    budget and kernel settings (`lms.orchestration.timing.backend_settings`), so that tuning the
-    same step
-    twice prices it alike, as the rates are (the last 16 kept)."""
+    budget, kernel settings (`lms.orchestration.timing.backend_settings`) and, on a CPU, the
+    size from which allocations get pages of their own (``spec.page_mapped_bytes``), so that
+    tuning the same step twice prices it alike, as the rates are (the last 16 kept)."""
     settings = tuple(sorted(backend_settings().items()))
-    key = (trace.fingerprint(), str(device), budget, settings)
+    mapped = spec.page_mapped_bytes if device.type == "cpu" else None
+    key = (trace.fingerprint(), str(device), budget, settings, mapped)
     if key not in _TIMED:
         while len(_TIMED) >= 16:
             del _TIMED[next(iter(_TIMED))]
-        _TIMED[key] = time_ops(trace, device, max_bytes=budget)
+        _TIMED[key] = time_ops(trace, device, max_bytes=budget, mapped_bytes=mapped)
     return spec.with_op_timings(_TIMED[key])
 
 

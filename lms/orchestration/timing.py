@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from lms.core.devices import FRESH_PAGES_BYTES, OpTimings
 from lms.core.records import TensorMeta, Trace
+from lms.runtime.heap import map_alone_from
 
 __all__ = ["apply_backend_settings", "backend_settings", "time_ops"]
 
@@ -55,6 +56,7 @@ def time_ops(
     *,
     max_bytes: int | None = None,
     limit_s: float = 120.0,
+    mapped_bytes: int | None = None,
 ) -> OpTimings:
     """Seconds each op of ``trace`` takes on ``device``, run alone.
 
@@ -71,6 +73,9 @@ def time_ops(
         device: the device to run on (its type must be the trace's).
         max_bytes: the most an op may take at once to run here (the plan's budget).
         limit_s: stop timing after this long.
+        mapped_bytes: on a CPU, the size from which the step's allocations get pages of their
+            own (`lms.core.devices.DeviceSpec.page_mapped_bytes`); the ops are timed so too,
+            their faults included (Note [Fresh pages]). None: glibc's own threshold.
 
     Raises:
         ValueError: the trace was made for another kind of device.
@@ -98,7 +103,7 @@ def time_ops(
         jobs.append((str(call.op), call.args, call.kwargs))
         owners.append(indices)
     started = time.perf_counter()
-    results = _time_in_child(jobs, device, limit_s) if jobs else {}
+    results = _time_in_child(jobs, device, limit_s, mapped_bytes) if jobs else {}
     for job, indices in enumerate(owners):
         for index in indices:
             seconds[index] = results.get(job)
@@ -154,7 +159,7 @@ def _received(value: Any, device: torch.device) -> Any:
 
 
 def _time_in_child(
-    jobs: list[Job], device: torch.device, limit_s: float
+    jobs: list[Job], device: torch.device, limit_s: float, mapped_bytes: int | None = None
 ) -> dict[int, float | None]:
     """Each job's seconds (None: it raised, or the process died running it), by position, timed
     by a process of its own; jobs it did not reach in ``limit_s`` are left out.
@@ -179,7 +184,7 @@ def _time_in_child(
         left_s = limit_s - (time.perf_counter() - started)
         if first >= len(jobs) or left_s <= 0:
             break
-        done, running, code = _run_child(sendable[first:], device, left_s)
+        done, running, code = _run_child(sendable[first:], device, left_s, mapped_bytes)
         results.update({first + position: taken for position, taken in done.items()})
         if code == 0 or running is None:
             if code != 0:
@@ -212,12 +217,15 @@ _STARTING = "starting"
 
 
 def _run_child(
-    sendable: list[bytes | None], device: torch.device, limit_s: float
+    sendable: list[bytes | None],
+    device: torch.device,
+    limit_s: float,
+    mapped_bytes: int | None = None,
 ) -> tuple[dict[int, float | None], int | None, int | None]:
     """One timing process over ``sendable``: the times it sent, by position; the job it was
     running when it ended, if it ended in one; and its exit code (None: it could not start)."""
     payload = pickle.dumps(
-        (str(device), torch.get_num_threads(), limit_s, backend_settings(), sendable)
+        (str(device), torch.get_num_threads(), limit_s, backend_settings(), mapped_bytes, sendable)
     )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     # stderr stays the step's: the child's progress bar, and what it says if it dies
@@ -285,7 +293,7 @@ def _main() -> None:
         pass
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # whatever else prints, not in the pickles
-    device_name, threads, limit_s, settings, jobs = pickle.load(sys.stdin.buffer)
+    device_name, threads, limit_s, settings, mapped_bytes, jobs = pickle.load(sys.stdin.buffer)
     torch.set_num_threads(threads)
     apply_backend_settings(settings)
     device = torch.device(device_name)
@@ -295,8 +303,13 @@ def _main() -> None:
         # Note [Fresh pages]: glibc maps an allocation anew until it has freed a mapped
         # one that large; a step's first allocations move its threshold to 32 MiB, and below it
         # a step's tensors take memory its heap held before. Timed before, a 32 MiB add ran 4
-        # times as long as in a step.
-        torch.empty(FRESH_PAGES_BYTES - 4096, dtype=torch.uint8).fill_(0)
+        # times as long as in a step. Under a CPU budget the step's threshold is fixed lower,
+        # and from there on its ops fault in their outputs and their scratch each time: they
+        # are timed so.
+        if mapped_bytes is not None and mapped_bytes < FRESH_PAGES_BYTES:
+            map_alone_from(mapped_bytes)
+        else:
+            torch.empty(FRESH_PAGES_BYTES - 4096, dtype=torch.uint8).fill_(0)
     started = time.perf_counter()
     bar = tqdm(jobs, desc="timing ops", unit="op", leave=False, disable=None)
     with torch.no_grad(), torch.autocast(device.type, enabled=False):

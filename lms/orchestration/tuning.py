@@ -27,6 +27,7 @@ from lms.orchestration.cache import (
     cache_path,
     cached_slabs,
     load_cached,
+    load_timings,
     planner_code,
     save_plan,
 )
@@ -41,7 +42,7 @@ log = logging.getLogger("lms.orchestration.tuning")
 @dataclasses.dataclass(frozen=True)
 class TunedStep:
     """A plan and what it was made from: the trace, the spec it was priced on (with the op
-    times measured for it, where it was tuned rather than loaded), and whether at half
+    times measured for it, kept beside a plan loaded from the cache), and whether at half
     precision."""
 
     plan: Plan
@@ -126,7 +127,9 @@ def tune_step(
     kept = cached_slabs(path) if slabs else ()
     if kept:  # the plan kept was made for the step in slabs: check it against that trace
         trace = traced(slabs=dict(kept))
-    loaded = load_cached(path, trace, spec, budget, half=half, free_held=free_held)
+    # Note [A cached plan keeps its op times]
+    priced = spec.with_op_timings(load_timings(path, trace))
+    loaded = load_cached(path, trace, priced, budget, half=half, free_held=free_held)
     if loaded is not None:
         plan = loaded
     else:
@@ -180,8 +183,8 @@ def tune_step(
     )
     if loaded is not None:
         log.info("[LMS] Loaded the plan for this step from %s", path)
-        return TunedStep(plan, trace, spec, half)
-    save_plan(plan, path)
+        return TunedStep(plan, trace, priced, half)
+    save_plan(plan, path, spec.op_timings)
     log.info(
         "[LMS] Tuned in %.2f s: offload %d of %d saved storages, predicted peak %.2f GiB, "
         "overhead %+.1f%% over a no-offload step of %.4f s; saved to %s",

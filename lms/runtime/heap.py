@@ -21,7 +21,8 @@ once (``mallopt``), which also stops glibc raising it: each allocation that larg
 its own, which go back to the system when it is freed, and the resident set grows as the heap in
 use does. The price is that such allocations fault their pages in afresh every step: those steps
 took 1.5 to 4 times as long on this project's CPU, and the "cpu" spec prices those faults
-(`DeviceSpec.page_mapped_bytes`). ``LMS(cpu_resident=False)`` keeps glibc's own setting, for speed,
+(`DeviceSpec.page_mapped_bytes`), its ops timed under the same threshold (Note [Ops timed on the
+device]). ``LMS(cpu_resident=False)`` keeps glibc's own setting, for speed,
 and says that the resident set may then pass the budget. Measurements:
 benchmarks/results/README.md, "The resident set under a CPU budget".
 """
@@ -41,6 +42,7 @@ __all__ = [
     "PeakMemory",
     "current_rss_bytes",
     "heap_in_use_bytes",
+    "map_alone_from",
     "release_freed_memory",
 ]
 
@@ -95,13 +97,21 @@ def release_freed_memory() -> bool:
     False where the allocator is not glibc's. Idempotent."""
     global _released
     if _released is None:
-        try:
-            libc = ctypes.CDLL(None)
-            _released = bool(libc.mallopt(_M_MMAP_THRESHOLD, MAPPED_ALONE_BYTES))
-            libc.malloc_trim(0)
-        except AttributeError:  # not glibc
-            _released = False
+        _released = map_alone_from(MAPPED_ALONE_BYTES)
     return _released
+
+
+def map_alone_from(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold at ``nbytes`` in this process: each allocation that large gets
+    pages of its own from then on, given back when it is freed; and give back what the heap
+    keeps now. False where the allocator is not glibc's."""
+    try:
+        libc = ctypes.CDLL(None)
+        done = bool(libc.mallopt(_M_MMAP_THRESHOLD, nbytes))
+        libc.malloc_trim(0)
+    except AttributeError:  # not glibc
+        return False
+    return done
 
 
 def current_rss_bytes() -> int:

@@ -200,6 +200,15 @@ def signal_regressor():
     )  # fmt: skip
 
 
+def drop_rated_segmenter():
+    """Reads a tensor's value as it builds (as SwinUNETR takes its drop rates from a
+    ``linspace``), which the meta device cannot give."""
+    rate = torch.linspace(0, 0.2, 3)[1].item()
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Dropout(rate), torch.nn.Conv2d(4, 2, 1)
+    )
+
+
 def no_convolution():
     return torch.nn.Linear(4, 4)
 
@@ -229,6 +238,7 @@ def tiny_llama():
     "builder, shapes",
     [
         ("volume_segmenter", [[1, 2, 12, 12, 12], [1, 12, 12, 12]]),
+        ("drop_rated_segmenter", [[1, 1, 12, 12], [1, 12, 12]]),
         ("signal_regressor", [[1, 1, 12], [1, 1]]),
         ("token_classifier", [[1, 12], [1]]),
         ("tiny_llama", [[1, 12], [1, 12]]),

@@ -333,6 +333,17 @@ def _torchvision_builder(name: str) -> Callable[[], torch.nn.Module]:
     )
 
 
+def _on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """The model ``build`` makes, its tensors on the meta device: built there, or, where its
+    code reads a tensor's value (SwinUNETR's drop rates), built for real, then moved."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except Exception:  # the real build says what is wrong, if anything is
+        built = build()
+    return built.to("meta") if isinstance(built, torch.nn.Module) else built
+
+
 _INPUTS: dict[type[torch.nn.Module], int] = {
     torch.nn.Embedding: 0,
     torch.nn.Conv1d: 1,
@@ -356,8 +367,7 @@ def _imported(name: str, build: Callable[[], torch.nn.Module]) -> ZooModel:
             to take its input from; from ``make_batch``, the model fails on the batch's shape.
     """
     try:
-        with torch.device("meta"):
-            probe = build()
+        probe = _on_meta(build)
     except Exception as error:  # the user's code: whatever it raises is reported as theirs
         raise ValueError(
             f"lms: model={name!r} failed to build: {type(error).__name__}: {error}"

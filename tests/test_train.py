@@ -185,6 +185,19 @@ def test_a_torchvision_name_is_a_model_built_with_random_weights_throughout(
     assert "[LMS]" not in capsys.readouterr().err
 
 
+def test_a_torchvision_video_model_is_fed_clips_and_a_detector_is_refused(tmp_path, capsys):
+    """A video model takes clips of its recipe's frames, each --image-size square (MViT takes no
+    other); a detector or an optical flow model, whose batch the zoo cannot make, is refused
+    before any work, naming the way on."""
+    entry = zoo_model("r3d_18")
+    inputs, targets = entry.make_batch(32, 2)
+    assert list(inputs.shape) == [2, 3, 16, 32, 32] and list(targets.shape) == [2]
+    assert entry.elements(32) == 16 * 32 * 32
+    for model in ("fasterrcnn_resnet50_fpn", "raft_small"):
+        assert main(["analyze", "--model", model, "--image-size", "64"]) == 2
+        assert "around your own step" in capsys.readouterr().err
+
+
 def volume_segmenter():
     """A builder of a user's own: 2 channels of 3D volumes in, 3 classes a voxel out."""
     return torch.nn.Sequential(

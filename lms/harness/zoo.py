@@ -296,7 +296,7 @@ def zoo_model(name: str) -> ZooModel:
         return ZOO[name]
     if ":" not in name:
         if name in _torchvision_models():
-            return _imported(name, _torchvision_builder(name))
+            return _torchvision_entry(name)
         raise ValueError(
             f"lms: model={name!r} is not in the zoo; known: {', '.join(ZOO)}, a torchvision "
             "model's name (torchvision.models.list_models(), with the zoo extra), or "
@@ -319,6 +319,32 @@ def _torchvision_models() -> list[str]:
     import torchvision
 
     return list(torchvision.models.list_models())
+
+
+VIDEO_FRAMES = 16
+"""Frames of a clip a torchvision video model is fed: the length its recipe trains on (MViT
+takes no other)."""
+
+
+def _torchvision_entry(name: str) -> ZooModel:
+    """A torchvision model, fed as an imported builder is; a video model clips of
+    `VIDEO_FRAMES` frames of ``size`` pixels square.
+
+    Raises:
+        ValueError: a detection or optical flow model, whose training batch (images with their
+            boxes, pairs of frames) the zoo does not make.
+    """
+    import torchvision.models
+
+    batches = {"detection": "images with their boxes", "optical_flow": "pairs of frames"}
+    for family, batch in batches.items():
+        if name in torchvision.models.list_models(module=getattr(torchvision.models, family)):
+            raise ValueError(
+                f"lms: model={name!r} trains on {batch}, which the zoo does not make; train it "
+                "with lms.LMS(budget=...) around your own step"
+            )
+    video = name in torchvision.models.list_models(module=torchvision.models.video)
+    return _imported(name, _torchvision_builder(name), frames=VIDEO_FRAMES if video else None)
 
 
 def _torchvision_builder(name: str) -> Callable[[], torch.nn.Module]:
@@ -354,13 +380,16 @@ _INPUTS: dict[type[torch.nn.Module], int] = {
 _DEFAULT_SIZES = {0: 512, 1: 16000, 2: 224, 3: 96}
 
 
-def _imported(name: str, build: Callable[[], torch.nn.Module]) -> ZooModel:
+def _imported(
+    name: str, build: Callable[[], torch.nn.Module], *, frames: int | None = None
+) -> ZooModel:
     """A model from a builder of the user's, fed what its first input module takes: a
     convolution's batch of 1D signals, images or volumes of its channels (``size`` along each
-    spatial dim), or an embedding's batch of ``size`` tokens of its vocabulary. Its targets are
-    classes of its output's channels, per sample, pixel or token as the output has them (a
-    token's last: a language model's logits), or with one channel a regression on zeros. The
-    builder runs on the meta device to find them, so this costs no memory.
+    spatial dim; with ``frames``, clips of that many frames ``size`` pixels square), or an
+    embedding's batch of ``size`` tokens of its vocabulary. Its targets are classes of its
+    output's channels, per sample, pixel or token as the output has them (a token's last: a
+    language model's logits), or with one channel a regression on zeros. The builder runs on
+    the meta device to find them (`_on_meta`), so this mostly costs no memory.
 
     Raises:
         ValueError: the builder fails, or the model has neither a convolution nor an embedding
@@ -387,6 +416,8 @@ def _imported(name: str, build: Callable[[], torch.nn.Module]) -> ZooModel:
         if isinstance(first, torch.nn.Embedding):
             return torch.randint(0, first.num_embeddings, (batch, size))
         assert isinstance(first, torch.nn.modules.conv._ConvNd)
+        if frames is not None:
+            return torch.randn(batch, first.in_channels, frames, size, size)
         return torch.randn(batch, first.in_channels, *[size] * dims)
 
     def make(size: int, batch: int) -> Sequence[torch.Tensor]:
@@ -413,7 +444,7 @@ def _imported(name: str, build: Callable[[], torch.nn.Module]) -> ZooModel:
         build,
         make,
         ("tokens", "samples", "pixels", "voxels")[dims],
-        lambda s: s ** max(dims, 1),
+        (lambda s: frames * s * s) if frames is not None else (lambda s: s ** max(dims, 1)),
         _DEFAULT_SIZES[dims],
         _token_step if dims == 0 else _classify_step,
         classifies_images=dims == 2 and getattr(first, "in_channels", 0) == 3,

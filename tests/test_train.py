@@ -247,6 +247,18 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config)
 
 
+def tiny_bart():
+    """A Hugging Face encoder-decoder model: its decoder runs on tokens made from its labels."""
+    import transformers
+
+    config = transformers.BartConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.BartForConditionalGeneration(config)
+
+
 @pytest.mark.parametrize(
     "builder, shapes",
     [
@@ -255,6 +267,7 @@ def tiny_llama():
         ("signal_regressor", [[1, 1, 12], [1, 1]]),
         ("token_classifier", [[1, 12], [1]]),
         ("tiny_llama", [[1, 12], [1, 12]]),
+        ("tiny_bart", [[1, 12], [1, 12]]),
     ],
 )
 def test_an_imported_builder_is_fed_what_its_first_convolution_takes(builder, shapes, tmp_path):

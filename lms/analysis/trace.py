@@ -25,8 +25,9 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.nn.parameter import is_lazy
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis import fsdp
 from lms.analysis.recorder import Recorder
@@ -102,6 +103,86 @@ def _mask_of_ones(model: torch.nn.Module, batch: Any) -> bool:
         return False
     with _disable_current_modes():
         return bool(mask.all())
+
+
+# Note: [A mask the model makes of ones is known as such]
+# A Hugging Face model given no mask may make one itself, of ones (BART's decoder: ``torch.ones``,
+# cast to bool), and ask whether SDPA can do without it: with real tensors it reads the values and
+# skips the mask; with fake ones it cannot, and builds it (Note [An attention mask of ones is traced
+# as none]). So while a Hugging Face model's step is traced, `_Ones` follows the fake tensors
+# known to hold ones: made by ``ones``, or ``full`` of a value other than zero, or cast, copied or
+# viewed from one. Asked about such a mask, Hugging Face's checks are given none in its place, and
+# decide as the real step does. A mask of any other making (one that pads) is left to them.
+_MASK_CHECKS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+"""Hugging Face's checks (``transformers.masking_utils``) of whether a padding mask can be left
+out; each takes the mask first."""
+_ONES = {"ones", "new_ones"}
+_FULLS = {"full": 1, "new_full": 2}  # the position of the fill value
+_KEEPS = {"_to_copy", "clone", "contiguous", "to", "detach"}
+
+
+class _Ones(TorchDispatchMode):
+    """Which fake tensors made while it is on hold ones (Note [A mask the model makes of ones is
+    known as such])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _ONES:
+            ones = True
+        elif name in _FULLS:
+            value = args[_FULLS[name]] if len(args) > _FULLS[name] else None
+            ones = isinstance(value, (bool, int, float)) and value != 0
+        else:
+            keeps = func.is_view or name in _KEEPS
+            ones = keeps and bool(args) and isinstance(args[0], torch.Tensor) and args[0] in self
+        if ones and isinstance(out, torch.Tensor):
+            self.seen[out] = True
+        return out
+
+    def __contains__(self, tensor: object) -> bool:
+        return isinstance(tensor, torch.Tensor) and tensor in self.seen
+
+
+@contextlib.contextmanager
+def _masks_of_ones_known(model: torch.nn.Module) -> Iterator[None]:
+    """While a Hugging Face ``model``'s step is traced, its checks of a mask known to hold ones
+    take none in its place (Note [A mask the model makes of ones is known as such])."""
+    transformers = sys.modules.get("transformers")
+    masking = sys.modules.get("transformers.masking_utils")
+    if (
+        transformers is None
+        or masking is None
+        or not isinstance(getattr(model, "_orig_mod", model), transformers.PreTrainedModel)
+    ):
+        yield
+        return
+    ones = _Ones()
+    checks = {name: getattr(masking, name) for name in _MASK_CHECKS if hasattr(masking, name)}
+
+    def known(check: Callable[..., bool]) -> Callable[..., bool]:
+        @functools.wraps(check)
+        def decide(*args: Any, **kwargs: Any) -> bool:
+            if args and args[0] in ones:
+                args = (None, *args[1:])
+            elif kwargs.get("padding_mask") in ones:
+                kwargs["padding_mask"] = None
+            return check(*args, **kwargs)
+
+        return decide
+
+    for name, check in checks.items():
+        setattr(masking, name, known(check))
+    try:
+        with ones:
+            yield
+    finally:
+        for name, check in checks.items():
+            setattr(masking, name, check)
 
 
 def _as(kind: type, items: dict[str, Any]) -> Any:
@@ -355,11 +436,13 @@ def trace_step(
         # a mapping pytree does not know (a tokenizer's BatchEncoding) is faked as a dict
         mapping = isinstance(given, Mapping) and type(given) is not dict
         leaves, structure = tree_flatten(dict(given) if mapping else given)
+        # tensors of the batch that share a storage share a fake one (``labels=input_ids``)
+        seen = collections.Counter(_storage_key(t) for t in leaves if isinstance(t, torch.Tensor))
+        shared: dict[tuple[str, int], torch.Tensor | None] = {
+            key: None for key, count in seen.items() if key is not None and count > 1
+        }
         leaves = [
-            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=target)
-            if isinstance(t, torch.Tensor)
-            else t
-            for t in leaves
+            _fake_like(t, target, shared) if isinstance(t, torch.Tensor) else t for t in leaves
         ]
         inputs = tree_unflatten(leaves, structure)  # the batch's own structure, faked
         if _mask_of_ones(built, given):  # Note [An attention mask of ones is traced as none]
@@ -382,7 +465,13 @@ def trace_step(
         )
         leave_modules()
         try:
-            with recorder, recorder.forward_nodes, hooks, _eager() as watch:
+            with (
+                recorder,
+                recorder.forward_nodes,
+                hooks,
+                _eager() as watch,
+                _masks_of_ones_known(built),
+            ):
                 with amp:
                     result = step(built, inputs)
                 if opt is not None:

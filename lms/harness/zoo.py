@@ -14,6 +14,8 @@ import inspect
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import no_grad
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
 from lms.analysis.trace import primary_output
@@ -148,6 +150,20 @@ def _token_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.
     targets = batch[1]
     per_sample = targets.is_floating_point() or targets.dim() < 2
     return (_classify_step if per_sample else _lm_step)(model, batch)
+
+
+# Note: [An encoder-decoder model learns from its labels]
+# A Hugging Face encoder-decoder model (T5, BART) runs its decoder on tokens of its own, which it
+# makes from the labels it is given (shifted right), as its users train it; given the inputs alone
+# it has none and raises. Its batch is then the inputs and a target token a position, of the
+# decoder's vocabulary, and its step is its own loss over them.
+def _labelled_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    """An encoder-decoder model's step: its own loss, given the targets as its labels (Note [An
+    encoder-decoder model learns from its labels])."""
+    inputs, targets = batch
+    loss = model(inputs, labels=targets).loss
+    loss.backward()
+    return loss
 
 
 def _images(channels: int, classes: int) -> Callable[[int, int], Sequence[torch.Tensor]]:
@@ -403,14 +419,16 @@ def _imported(
         ) from None
     if not isinstance(probe, torch.nn.Module):
         raise ValueError(f"lms: model={name!r} built a {type(probe).__name__}, not a module")
-    first = next((m for m in probe.modules() if type(m) in _INPUTS), None)
+    first = next((m for m in probe.modules() if isinstance(m, tuple(_INPUTS))), None)
     if first is None:
         raise ValueError(
             f"lms: model={name!r} has neither a convolution nor an embedding, so its input "
             "cannot be told from it; train it with lms.LMS around your own step, or plan it with "
             "lms.analyze and your own batch"
         )
-    dims = _INPUTS[type(first)]
+    dims = next(dims for kind, dims in _INPUTS.items() if isinstance(first, kind))
+    # Note [An encoder-decoder model learns from its labels]
+    seq2seq = bool(getattr(getattr(probe, "config", None), "is_encoder_decoder", False))
 
     def inputs_of(size: int, batch: int) -> torch.Tensor:
         if isinstance(first, torch.nn.Embedding):
@@ -423,15 +441,20 @@ def _imported(
     def make(size: int, batch: int) -> Sequence[torch.Tensor]:
         inputs = inputs_of(size, batch)
         try:
-            with _disable_current_modes(), torch.no_grad():
+            # fake tensors over the meta device: a model's code that asks whether it is
+            # traced (Hugging Face's masks) then reads no value, which meta tensors lack
+            with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True), no_grad():
                 meta = torch.empty_like(inputs, device="meta")
-                shape = primary_output(probe(meta)).shape
+                decoded = torch.zeros(batch, size, dtype=torch.long, device="meta")
+                shape = primary_output(
+                    probe(meta, decoder_input_ids=decoded) if seq2seq else probe(meta)
+                ).shape
         except Exception as error:  # the user's model: whatever it raises is reported as theirs
             raise ValueError(
                 f"lms: model={name!r} fails on a batch of shape {list(inputs.shape)}: "
                 f"{type(error).__name__}: {error}; try another size or batch size"
             ) from None
-        if dims == 0 and len(shape) == 3:  # a class a token, on the last dim
+        if (dims == 0 or seq2seq) and len(shape) == 3:  # a class a token, on the last dim
             classes, per = shape[2], (batch, shape[1])
         else:
             classes, per = (shape[1] if len(shape) > 1 else 1), (batch, *shape[2:])
@@ -446,6 +469,6 @@ def _imported(
         ("tokens", "samples", "pixels", "voxels")[dims],
         (lambda s: frames * s * s) if frames is not None else (lambda s: s ** max(dims, 1)),
         _DEFAULT_SIZES[dims],
-        _token_step if dims == 0 else _classify_step,
+        _labelled_step if seq2seq else _token_step if dims == 0 else _classify_step,
         classifies_images=dims == 2 and getattr(first, "in_channels", 0) == 3,
     )

@@ -478,3 +478,22 @@ def test_a_mixture_of_experts_in_single_precision_is_traced_as_it_runs_on_the_cp
 
     assert_bitwise(run(contextlib.nullcontext()), run(offload))
     assert offload.stats.offloaded_tensors > 0
+
+
+def test_tensors_of_the_batch_that_share_a_storage_are_traced_sharing_one():
+    """``labels=input_ids``, or a view of them: the step saves one storage, and so does its
+    trace, where each fake copy of its own would count and move twice."""
+    model = torch.nn.Embedding(100, 8)
+    ids = torch.randint(0, 100, (4, 16))
+
+    def step(model, batch):
+        out = model(batch["input_ids"]).sum(-1)
+        loss = torch.nn.functional.cross_entropy(out.float(), batch["labels"][:, 0] % 15)
+        loss.backward()
+        return loss
+
+    sizes = {}
+    for name, labels in (("same", ids), ("view", ids[:, 1:]), ("copy", ids.clone())):
+        batch = {"input_ids": ids, "labels": labels}
+        sizes[name] = trace_step(model, batch, step, device="cpu", min_offload_bytes=0).input_bytes
+    assert sizes == {"same": ids.nbytes, "view": ids.nbytes, "copy": 2 * ids.nbytes}

@@ -119,3 +119,36 @@ def test_a_tokenizers_batch_is_traced_as_the_step_runs_it(padded, spill_dir, cap
     assert offload.stats.diverged_steps == 0
     assert offload.stats.offloaded_tensors == 2 * len(plan.offload) > 0
     offload.close()
+
+
+def test_a_mask_of_ones_the_model_makes_is_traced_as_the_step_runs_it(spill_dir, caplog):
+    """BART's decoder, given no mask, makes one of ones and asks whether SDPA can do without it:
+    traced, it is known to hold ones and left out as in the step (Note [A mask the model makes
+    of ones is known as such]), so every step follows the plan, bit for bit."""
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=256, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.BartForConditionalGeneration(config).train()
+    ids = torch.randint(3, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def run(offload=None):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with offload if offload is not None else contextlib.nullcontext():
+            loss = model(**batch).loss
+            loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain = run()
+    plan = recomputing_plan(trace_step(model, batch, device="cpu", min_offload_bytes=0))
+    offload = lms.LMS(plan=plan, tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+    with caplog.at_level("WARNING", logger="lms"):
+        for _ in range(2):
+            assert_bitwise(plain, run(offload))
+    assert not [r for r in caplog.records if "own policy" in r.getMessage()]
+    assert offload.stats.diverged_steps == 0 and offload.stats.offloaded_tensors > 0
+    offload.close()

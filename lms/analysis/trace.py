@@ -21,7 +21,6 @@ import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
-    FakeTensor,
     FakeTensorMode,
 )
 from torch.nn.parameter import is_lazy
@@ -83,36 +82,20 @@ def primary_output(out: object) -> torch.Tensor:
     raise TypeError(f"lms: the model returned {type(out).__name__}, which holds no tensor")
 
 
-# Note: [An attention mask of ones is traced as none]
+# Note: [A mask of ones is known as such]
 # A Hugging Face model given an attention mask of ones (no padding, as a tokenizer gives for
-# sequences of one length) lets SDPA mask causally by itself, and builds no mask, where it can
-# read the mask's values; where the mask is a fake tensor it cannot, and builds one. The traced
-# step would then save and run what the real one does not (a mask, and on a GPU another
-# attention kernel), and the runtime would find its plan made for another step. A mask of ones
-# means what no mask means, so the model is traced without it (its bytes still counted among
-# the batch's), and takes the path the real step takes.
-def _mask_of_ones(model: torch.nn.Module, batch: Any) -> bool:
-    """Whether ``batch`` gives Hugging Face ``model`` an attention mask of real ones."""
-    transformers = sys.modules.get("transformers")
-    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
-    if transformers is None or not isinstance(mask, torch.Tensor) or isinstance(mask, FakeTensor):
-        return False
-    if mask.is_meta or not isinstance(
-        getattr(model, "_orig_mod", model), transformers.PreTrainedModel
-    ):
-        return False
-    with _disable_current_modes():
-        return bool(mask.all())
-
-
-# Note: [A mask the model makes of ones is known as such]
-# A Hugging Face model given no mask may make one itself, of ones (BART's decoder: ``torch.ones``,
-# cast to bool), and ask whether SDPA can do without it: with real tensors it reads the values and
-# skips the mask; with fake ones it cannot, and builds it (Note [An attention mask of ones is traced
-# as none]). So while a Hugging Face model's step is traced, `_Ones` follows the fake tensors
-# known to hold ones: made by ``ones``, or ``full`` of a value other than zero, or cast, copied or
-# viewed from one. Asked about such a mask, Hugging Face's checks are given none in its place, and
-# decide as the real step does. A mask of any other making (one that pads) is left to them.
+# sequences of one length), or none, from which it may make one of ones itself (BART's decoder:
+# ``torch.ones``, cast to bool), asks whether SDPA can do without it: with real tensors it reads
+# the values, skips the mask and lets SDPA mask causally by itself; with fake ones it cannot, and
+# builds the mask. The traced step would then save and run what the real one does not (a mask,
+# and on a GPU another attention kernel), and the runtime would find its plan made for another
+# step. So while a step that runs a Hugging Face model is traced (the model itself or one inside
+# the user's, a Lightning module's), `_Ones` follows the fake tensors known to hold ones: the
+# fake copies of the batch's integer and boolean tensors whose real values are all ones, and
+# what ``ones``, or ``full`` of a value other than zero, makes, and what is cast, copied or
+# viewed from one of them. Asked about such a mask, Hugging Face's checks are given none in its
+# place, and decide as the real step does. A mask of any other making (one that pads) is left to
+# them, and builds a mask in both.
 _MASK_CHECKS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 """Hugging Face's checks (``transformers.masking_utils``) of whether a padding mask can be left
 out; each takes the mask first."""
@@ -122,12 +105,14 @@ _KEEPS = {"_to_copy", "clone", "contiguous", "to", "detach"}
 
 
 class _Ones(TorchDispatchMode):
-    """Which fake tensors made while it is on hold ones (Note [A mask the model makes of ones is
-    known as such])."""
+    """Which fake tensors hold ones (Note [A mask of ones is known as such]): ``known`` to begin
+    with, and those made from them, or made of ones, while it is on."""
 
-    def __init__(self) -> None:
+    def __init__(self, known: list[torch.Tensor]) -> None:
         super().__init__()
         self.seen = WeakIdKeyDictionary()
+        for tensor in known:
+            self.seen[tensor] = True
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -148,23 +133,43 @@ class _Ones(TorchDispatchMode):
         return isinstance(tensor, torch.Tensor) and tensor in self.seen
 
 
+def _real_ones(real: list[Any], fake: list[Any]) -> list[torch.Tensor]:
+    """The fake copies (``fake``) of the batch's integer and boolean tensors (``real``) whose
+    values are all ones (Note [A mask of ones is known as such])."""
+    ones = []
+    with _disable_current_modes():
+        for given, copy in zip(real, fake, strict=True):
+            if (
+                isinstance(given, torch.Tensor)
+                and is_plain(given)
+                and not given.is_meta
+                and not given.is_floating_point()
+                and not given.is_complex()
+                and given.numel()
+                and bool((given == 1).all())
+            ):
+                ones.append(copy)
+    return ones
+
+
 @contextlib.contextmanager
-def _masks_of_ones_known(model: torch.nn.Module) -> Iterator[None]:
-    """While a Hugging Face ``model``'s step is traced, its checks of a mask known to hold ones
-    take none in its place (Note [A mask the model makes of ones is known as such])."""
+def _masks_of_ones_known(model: torch.nn.Module, known: list[torch.Tensor]) -> Iterator[None]:
+    """While a step that runs a Hugging Face model is traced, its checks of a mask known to hold
+    ones (``known``, or made so) take none in its place (Note [A mask of ones is known as
+    such])."""
     transformers = sys.modules.get("transformers")
     masking = sys.modules.get("transformers.masking_utils")
     if (
         transformers is None
         or masking is None
-        or not isinstance(getattr(model, "_orig_mod", model), transformers.PreTrainedModel)
+        or not any(isinstance(m, transformers.PreTrainedModel) for m in model.modules())
     ):
         yield
         return
-    ones = _Ones()
+    ones = _Ones(known)
     checks = {name: getattr(masking, name) for name in _MASK_CHECKS if hasattr(masking, name)}
 
-    def known(check: Callable[..., bool]) -> Callable[..., bool]:
+    def knowing(check: Callable[..., bool]) -> Callable[..., bool]:
         @functools.wraps(check)
         def decide(*args: Any, **kwargs: Any) -> bool:
             if args and args[0] in ones:
@@ -176,7 +181,7 @@ def _masks_of_ones_known(model: torch.nn.Module) -> Iterator[None]:
         return decide
 
     for name, check in checks.items():
-        setattr(masking, name, known(check))
+        setattr(masking, name, knowing(check))
     try:
         with ones:
             yield
@@ -435,18 +440,19 @@ def trace_step(
         given = batch() if callable(batch) else batch
         # a mapping pytree does not know (a tokenizer's BatchEncoding) is faked as a dict
         mapping = isinstance(given, Mapping) and type(given) is not dict
-        leaves, structure = tree_flatten(dict(given) if mapping else given)
+        given_leaves, structure = tree_flatten(dict(given) if mapping else given)
         # tensors of the batch that share a storage share a fake one (``labels=input_ids``)
-        seen = collections.Counter(_storage_key(t) for t in leaves if isinstance(t, torch.Tensor))
+        seen = collections.Counter(
+            _storage_key(t) for t in given_leaves if isinstance(t, torch.Tensor)
+        )
         shared: dict[tuple[str, int], torch.Tensor | None] = {
             key: None for key, count in seen.items() if key is not None and count > 1
         }
         leaves = [
-            _fake_like(t, target, shared) if isinstance(t, torch.Tensor) else t for t in leaves
+            _fake_like(t, target, shared) if isinstance(t, torch.Tensor) else t
+            for t in given_leaves
         ]
         inputs = tree_unflatten(leaves, structure)  # the batch's own structure, faked
-        if _mask_of_ones(built, given):  # Note [An attention mask of ones is traced as none]
-            inputs["attention_mask"] = None
         if mapping:
             inputs = _as(type(given), inputs)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -470,7 +476,7 @@ def trace_step(
                 recorder.forward_nodes,
                 hooks,
                 _eager() as watch,
-                _masks_of_ones_known(built),
+                _masks_of_ones_known(built, _real_ones(given_leaves, leaves)),
             ):
                 with amp:
                     result = step(built, inputs)

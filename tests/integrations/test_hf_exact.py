@@ -86,15 +86,28 @@ def test_hugging_face_models_train_bitwise(kind, half, plan, spill_dir):
     offload.close()
 
 
+class _Wrapped(torch.nn.Module):
+    """A user's module around a Hugging Face model (as a Lightning module holds one)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **batch):
+        return self.inner(**batch)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["model", "wrapped"])
 @pytest.mark.parametrize("padded", [False, True], ids=["ones", "padded"])
-def test_a_tokenizers_batch_is_traced_as_the_step_runs_it(padded, spill_dir, caplog):
+def test_a_tokenizers_batch_is_traced_as_the_step_runs_it(padded, wrapped, spill_dir, caplog):
     """A BatchEncoding with an attention mask and labels, through the default step (the model's
     own loss): with a mask of ones the model builds no mask of its own where it runs, and is
-    traced so (Note [An attention mask of ones is traced as none]); with padding it builds one
-    in both. Either way every step follows the plan, bit for bit."""
-    model = _model("llama")
-    for layer in model.model.layers:  # without dropout SDPA runs its fused kernel, masked or not
+    traced so (Note [A mask of ones is known as such]), inside a module of the user's too; with
+    padding it builds one in both. Either way every step follows the plan, bit for bit."""
+    inner = _model("llama")
+    for layer in inner.model.layers:  # without dropout SDPA runs its fused kernel, masked or not
         layer.self_attn.attention_dropout = 0.0
+    model = _Wrapped(inner) if wrapped else inner
     ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     if padded:
@@ -123,7 +136,7 @@ def test_a_tokenizers_batch_is_traced_as_the_step_runs_it(padded, spill_dir, cap
 
 def test_a_mask_of_ones_the_model_makes_is_traced_as_the_step_runs_it(spill_dir, caplog):
     """BART's decoder, given no mask, makes one of ones and asks whether SDPA can do without it:
-    traced, it is known to hold ones and left out as in the step (Note [A mask the model makes
+    traced, it is known to hold ones and left out as in the step (Note [A mask
     of ones is known as such]), so every step follows the plan, bit for bit."""
     torch.manual_seed(0)
     config = transformers.BartConfig(

@@ -336,8 +336,14 @@ class _PlainRecord:
         from lms.orchestration.tuning import tune_step
         from lms.runtime.steplog import StepLog
 
-        tuned = tune_step(
-            model, batch, step_fn, budget_bytes=None, min_offload_bytes=0, autocast=autocast
+        tuned = tune_step(  # glibc's own mmap threshold, as a step without LMS runs under
+            model,
+            batch,
+            step_fn,
+            budget_bytes=None,
+            min_offload_bytes=0,
+            autocast=autocast,
+            cpu_resident=False,
         )
         self.trace, self.spec, self.half = tuned.trace, tuned.spec, tuned.half
         self.log = StepLog(target)

@@ -164,3 +164,19 @@ def test_a_record_that_fails_to_save_leaves_no_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space"):
         record.save(folder / "steps.json.gz")
     assert list(folder.iterdir()) == []
+
+
+def test_a_step_without_offload_is_priced_under_glibcs_own_threshold(monkeypatch):
+    """A step without LMS leaves glibc's mmap threshold as it is, so its record prices it so:
+    its ops timed on a warm heap, where a budget's would fault each MiB in afresh (Note [Fresh
+    pages])."""
+    from lms.core.devices import FRESH_PAGES_BYTES
+    from lms.harness.train import _PlainRecord
+    from lms.orchestration import local
+
+    monkeypatch.setattr(local, "_TIMED", {})
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    batch = [torch.randn(8, 64)]
+    plain = _PlainRecord(model, batch, None, torch.device("cpu"), None)
+    assert plain.spec.page_mapped_bytes == FRESH_PAGES_BYTES
+    assert plain.spec.op_timings is not None and plain.spec.op_timings.timed > 0

@@ -152,7 +152,7 @@ def _analyze(args: argparse.Namespace) -> int:
         device_spec=args.device_spec,
         host_memory=args.host_memory,
         autocast=torch.bfloat16 if args.amp else None,
-        name=f"{args.model} {args.image_size}px batch {args.batch_size}",
+        name=f"{args.model} {entry.sized(args.image_size)} batch {args.batch_size}",
         free_held=args.free_held,
         slabs=not args.no_slabs,
     )

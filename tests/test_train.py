@@ -277,7 +277,9 @@ def test_an_imported_builder_is_fed_what_its_first_convolution_takes(builder, sh
     out = tmp_path / "r.json"
     argv = ["-q", "analyze", "--model", f"tests.test_train:{builder}", "--image-size", "12"]
     assert main([*argv, "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["input_shapes"] == shapes
+    report = json.loads(out.read_text())
+    assert report["input_shapes"] == shapes
+    assert (" 12 tokens " in report["model"]) == (len(shapes[0]) == 2)  # named by what it takes
     argv = ["-q", "train", "--model", f"tests.test_train:{builder}", "--image-size", "12"]
     assert main([*argv, "--steps", "1", "--budget", "1GiB", "--json", str(out)]) == 0
 
@@ -318,7 +320,7 @@ def test_deeplabv3_refuses_a_batch_of_one_and_defaults_to_two(tmp_path, capsys):
         == 0
     )
     report = json.loads(out.read_text())
-    assert report["model"] == "deeplabv3 64px batch 2" and report["input_shapes"][0][0] == 2
+    assert report["model"] == "deeplabv3 64 px batch 2" and report["input_shapes"][0][0] == 2
 
 
 def test_bench_rotates_the_methods_and_keeps_each_median(monkeypatch):

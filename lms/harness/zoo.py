@@ -48,6 +48,10 @@ class ZooModel:
     needs: tuple[str, ...] = ()
     """Optional packages it is built from (`lms.core.extras`)."""
 
+    def sized(self, size: int) -> str:
+        """``size`` in words: ``"8192 tokens"``, ``"320 px"``, else ``"size 64"``."""
+        return {"tokens": f"{size} tokens", "pixels": f"{size} px"}.get(self.unit, f"size {size}")
+
     def check_installed(self) -> None:
         """Refuse, before any work, a model whose packages are missing, naming the extra.
 

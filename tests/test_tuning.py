@@ -195,3 +195,39 @@ def test_the_first_step_prefetches_in_the_order_the_trace_read(spill_dir, monkey
     assert [entry.ordinal for entry in first.use_queue][: len(order)] == order
     assert first.to_record().use_order == order  # as the step itself read them
     offload.close()
+
+
+def test_a_budget_given_as_a_share_of_the_peak_is_set_by_tune(spill_dir, tmp_path):
+    """``budget="60%"``, as the command line takes it: tune sets the budget to that share of the
+    traced step's simulated peak without offload; a share out of range is refused at once, and
+    a block entered before tune is refused before the step runs."""
+    import lms
+    from lms.analysis import simulate, trace_step
+    from lms.orchestration.local import local_device_spec
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(8)]
+    model = torch.nn.Sequential(*layers)
+    batch = [torch.randn(4096, 64)]
+
+    def step(model, batch):
+        loss = model(batch[0]).square().mean()
+        loss.backward()
+        return loss
+
+    with pytest.raises(ValueError, match="budget='150%' is not a share of the peak"):
+        lms.LMS(budget="150%")
+    untuned = lms.LMS(budget="60%", tier="disk", spill_dir=spill_dir)
+    with pytest.raises(lms.LMSError, match="call tune"), untuned:
+        step(model, batch)
+    assert all(p.grad is None for p in model.parameters())  # refused before the step ran
+    offload = lms.LMS(budget="60%", tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+    plan = offload.tune(model, batch, step, cache_dir=str(tmp_path))
+    traced = trace_step(model, batch, step, device="cpu", min_offload_bytes=0)
+    peak = simulate(traced, None, local_device_spec(torch.device("cpu"))).peak_bytes
+    assert offload.config.budget == plan.budget_bytes == int(0.6 * peak)
+    assert offload.config.budget_share is None and plan.offload
+    with offload:
+        step(model, batch)
+    assert offload.stats.offloaded_tensors == len(plan.offload)
+    offload.close()

@@ -17,7 +17,7 @@ from typing import Literal
 from typing_extensions import TypedDict
 
 from lms.core.sync import SyncMode
-from lms.core.units import parse_bytes
+from lms.core.units import parse_bytes, parse_share
 
 __all__ = [
     "LMSConfig",
@@ -53,7 +53,8 @@ class LMSConfig:
     budget: int | str | None = None
     """Device memory the step may use (bytes), its weights, batch and gradients included but not
     optimizer state, which needs room of its own; None means no limit (offload by threshold
-    only)."""
+    only). A percent such as ``"60%"`` is that share of the step's peak without offload, as
+    simulated from its trace: `lms.LMS.tune` sets the budget in bytes from it (`budget_share`)."""
     tier: Tier = "auto"
     """Where offloaded data goes: "auto" (host memory from a CUDA device, disk from the CPU),
     "host" (pinned host memory only) or "disk" (spill files)."""
@@ -98,8 +99,16 @@ class LMSConfig:
     faulted in afresh; False keeps the C allocator's own setting (faster; the resident set may
     then pass the budget by what the allocator keeps)."""
 
+    budget_share: float | None = dataclasses.field(default=None, init=False)
+    """The share of the step's simulated peak a budget such as ``"60%"`` asks for, until
+    `lms.LMS.tune` turns it into bytes; None for a budget given in bytes."""
+
     def __post_init__(self) -> None:
-        if self.budget is not None:
+        share = parse_share(self.budget)
+        if share is not None:
+            object.__setattr__(self, "budget_share", share)
+            object.__setattr__(self, "budget", None)
+        elif self.budget is not None:
             object.__setattr__(self, "budget", parse_bytes(self.budget, field="budget"))
         if self.host_budget is not None:
             object.__setattr__(

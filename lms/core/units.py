@@ -8,6 +8,7 @@ import re
 
 __all__ = [
     "parse_bytes",
+    "parse_share",
     "format_bytes",
     "format_rate",
     "check_counts",
@@ -32,6 +33,27 @@ _UNITS = {
     "tib": 1024**4,
 }
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_share(value: object, *, field: str = "budget") -> float | None:
+    """The share of the step's peak a budget such as ``"60%"`` asks for; None for any other
+    value.
+
+    Raises:
+        ValueError: a percent outside (0, 100], naming ``field``.
+    """
+    if not isinstance(value, str) or not value.strip().endswith("%"):
+        return None
+    try:
+        fraction = float(value.strip()[:-1]) / 100
+    except ValueError:
+        fraction = float("nan")
+    if not 0 < fraction <= 1:
+        raise ValueError(
+            f"lms: {field}={value!r} is not a share of the peak; use a percent in (0, 100], "
+            "e.g. '60%', or a size such as '32GiB'"
+        )
+    return fraction
 
 
 def parse_bytes(value: int | float | str, *, field: str = "size", positive: bool = False) -> int:

@@ -28,7 +28,7 @@ from lms.core import costs
 from lms.core.config import Tier
 from lms.core.errors import LMSError, step_failed
 from lms.core.keep import no_offload_in, submodules
-from lms.core.units import check_counts, format_bytes, format_rate
+from lms.core.units import check_counts, format_bytes, format_rate, parse_share
 from lms.harness.memory import SampledSteps, tensors_bytes
 from lms.harness.zoo import ZOO, ZooModel, zoo_model
 from lms.orchestration.session import LMS
@@ -123,26 +123,6 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def budget_share(budget: int | str | None) -> float | None:
-    """The share of the step's peak a budget such as ``"60%"`` asks for; None for any other.
-
-    Raises:
-        ValueError: a percent outside (0, 100].
-    """
-    if not isinstance(budget, str) or not budget.strip().endswith("%"):
-        return None
-    try:
-        fraction = float(budget.strip()[:-1]) / 100
-    except ValueError:
-        fraction = float("nan")
-    if not 0 < fraction <= 1:
-        raise ValueError(
-            f"lms: budget={budget!r} is not a share of the peak; use a percent in (0, 100], "
-            "e.g. '60%', or a size such as '32GiB'"
-        )
-    return fraction
-
-
 def share_of_plain_peak(
     fraction: float,
     model: torch.nn.Module,
@@ -209,7 +189,7 @@ def train(
     if method not in METHODS:
         raise ValueError(f"lms: method={method!r} is not one of {', '.join(METHODS)}")
     check_counts(steps=steps, size=size)
-    share = budget_share(budget) if method == "lms" else None
+    share = parse_share(budget) if method == "lms" else None
     entry: ZooModel = zoo_model(model_name)
     entry.check_batch(batch_size)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -69,5 +70,8 @@ class LMS(Session):
             free_held=self.config.free_held,
             slabs=self.config.slabs,
             cpu_resident=self.config.cpu_resident,
+            budget_share=self.config.budget_share,
         )
+        if self.config.budget_share is not None:  # the share is now a size: the plan's
+            self.config = dataclasses.replace(self.config, budget=tuned.plan.budget_bytes)
         return self.adopt(tuned.plan, priced_on=(tuned.trace, tuned.spec, tuned.half), model=model)

@@ -74,6 +74,7 @@ def tune_step(
     free_held: bool = False,
     slabs: bool = True,
     cpu_resident: bool = True,
+    budget_share: float | None = None,
 ) -> TunedStep:
     """Trace ``step_fn(model, batch)`` under fake tensors and plan it for the model's device.
 
@@ -85,7 +86,8 @@ def tune_step(
     holds (`lms.LMSConfig.free_held`). ``slabs``: where no plan of the whole step fits, the
     plan may run submodules in slabs (`lms.LMSConfig.slabs`). ``cpu_resident``: on a CPU,
     whether the runtime gives freed memory back as it runs (`lms.LMSConfig.cpu_resident`), which
-    sets which storages fault their pages in afresh.
+    sets which storages fault their pages in afresh. ``budget_share``: the budget is that share
+    of the traced step's simulated peak without offload, in place of ``budget_bytes``.
 
     Raises:
         PlanInfeasibleError: when no plan fits the device budget.
@@ -115,6 +117,15 @@ def tune_step(
     )
     trace = traced()
     half = autocast is not None
+    if budget_share is not None:
+        peak = simulate(trace, None, spec, half=half).peak_bytes
+        budget = int(budget_share * peak)
+        log.info(
+            "[LMS] budget %.0f%% of the step's peak without offload (%s, simulated): %s",
+            100 * budget_share,
+            format_bytes(peak),
+            format_bytes(budget),
+        )
     choose: Any = planner or plan_auto
     if device.type == "cuda":  # the card, not its measured rates, which vary run to run
         card = torch.cuda.get_device_properties(device)

@@ -62,8 +62,8 @@ def smallest_plan(candidates: Candidates, first: str = "relieve") -> tuple[Plan,
         f"{format_bytes(result.peak_bytes)} that the step needs {how}: "
         f"{where} runs at that peak (the largest operation, "
         f"{largest.name} at {largest.module}, needs {format_bytes(largest.working_set_bytes)}"
-        " at once); raise the budget or lower the batch size or resolution"
-        + _free_held_hint(candidates, result.peak_bytes),
+        " at once); raise the budget or lower the batch size or the input's size (resolution,"
+        " sequence length)" + _free_held_hint(candidates, result.peak_bytes),
         op_name=op.name if op else "",
         op_module=op.module if op else "",
         op_bytes=largest.working_set_bytes,

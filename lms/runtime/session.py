@@ -164,6 +164,12 @@ class Session:
                     f"{self._owner!r}); steps do not nest, and each thread needs an LMS object "
                     "of its own"
                 )
+            if self.config.budget_share is not None:
+                raise LMSError(
+                    f"lms: budget='{100 * self.config.budget_share:g}%' is a share of the step's "
+                    "peak without offload, which its trace tells: call tune(model, batch, step) "
+                    "before the first step, or give the budget as a size such as '10GiB'"
+                )
             self._active = True
             self._owner = threading.current_thread().name
         try:

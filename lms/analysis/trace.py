@@ -153,10 +153,12 @@ def _real_ones(real: list[Any], fake: list[Any]) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _masks_of_ones_known(model: torch.nn.Module, known: list[torch.Tensor]) -> Iterator[None]:
+def _masks_of_ones_known(
+    model: torch.nn.Module, real: list[Any], fake: list[Any]
+) -> Iterator[None]:
     """While a step that runs a Hugging Face model is traced, its checks of a mask known to hold
-    ones (``known``, or made so) take none in its place (Note [A mask of ones is known as
-    such])."""
+    ones (the fake copies, ``fake``, of the batch's tensors of real ones, ``real``, or one made
+    so) take none in its place (Note [A mask of ones is known as such])."""
     transformers = sys.modules.get("transformers")
     masking = sys.modules.get("transformers.masking_utils")
     if (
@@ -166,7 +168,7 @@ def _masks_of_ones_known(model: torch.nn.Module, known: list[torch.Tensor]) -> I
     ):
         yield
         return
-    ones = _Ones(known)
+    ones = _Ones(_real_ones(real, fake))  # read only here: a Hugging Face model's tokens
     checks = {name: getattr(masking, name) for name in _MASK_CHECKS if hasattr(masking, name)}
 
     def knowing(check: Callable[..., bool]) -> Callable[..., bool]:
@@ -476,7 +478,7 @@ def trace_step(
                 recorder.forward_nodes,
                 hooks,
                 _eager() as watch,
-                _masks_of_ones_known(built, _real_ones(given_leaves, leaves)),
+                _masks_of_ones_known(built, given_leaves, leaves),
             ):
                 with amp:
                     result = step(built, inputs)

@@ -226,7 +226,8 @@ def plot_sweep(result: dict[str, Any], path: str | os.PathLike[str]) -> Figure:
         ax.plot(*zip(*plain, strict=True), "o-", label="without LMS", color="tab:red")
     if with_lms:
         ax.plot(*zip(*with_lms, strict=True), "s-", label="with LMS", color="tab:blue")
-    ax.set_xlabel(f"image edge ({'voxels' if unit == 'voxels' else 'pixels'})")
+    edge = {"voxels": "volume edge (voxels)", "tokens": "sequence length (tokens)"}
+    ax.set_xlabel(edge.get(unit, "image edge (pixels)"))
     ax.set_ylabel(f"predicted data rate ({label})")
     ax.set_ylim(bottom=0)
     spec = result["device_spec"]

@@ -123,31 +123,6 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def share_of_plain_peak(
-    fraction: float,
-    model: torch.nn.Module,
-    batch: Sequence[torch.Tensor],
-    step_fn: Callable[..., Any],
-    device: torch.device,
-    autocast: torch.dtype | None = None,
-) -> int:
-    """Bytes of ``fraction`` of the step's peak without offload, as the simulator predicts that
-    peak on ``device`` from a trace under fake tensors."""
-    from lms.analysis import trace_step
-    from lms.orchestration.local import local_device_spec
-
-    trace = trace_step(model, list(batch), step_fn, device=device, autocast=autocast)
-    peak = simulate(trace, None, local_device_spec(device), half=autocast is not None).peak_bytes
-    budget = int(fraction * peak)
-    log.info(
-        "[LMS] budget %.0f%% of the step's peak without offload (%s, simulated): %s",
-        100 * fraction,
-        format_bytes(peak),
-        format_bytes(budget),
-    )
-    return budget
-
-
 def train(
     model_name: str,
     *,
@@ -189,7 +164,7 @@ def train(
     if method not in METHODS:
         raise ValueError(f"lms: method={method!r} is not one of {', '.join(METHODS)}")
     check_counts(steps=steps, size=size)
-    share = parse_share(budget) if method == "lms" else None
+    parse_share(budget)  # a share out of range is refused before any work; tune sets it
     entry: ZooModel = zoo_model(model_name)
     entry.check_batch(batch_size)
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -214,8 +189,6 @@ def train(
     autocast = torch.bfloat16 if amp else None
     offload: LMS | None = None
     if method == "lms":
-        if share is not None:
-            budget = share_of_plain_peak(share, model, batch, step_fn, target, autocast)
         offload = LMS(
             budget=budget,
             tier=tier,

@@ -95,7 +95,8 @@ def primary_output(out: object) -> torch.Tensor:
 # what ``ones``, or ``full`` of a value other than zero, makes, and what is cast, copied or
 # viewed from one of them. Asked about such a mask, Hugging Face's checks are given none in its
 # place, and decide as the real step does. A mask of any other making (one that pads) is left to
-# them, and builds a mask in both.
+# them, and builds a mask in both. Releases before those checks (before 4.53) read the mask's
+# values themselves: there a batch's mask of ones is traced as none, which means the same.
 _MASK_CHECKS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
 """Hugging Face's checks (``transformers.masking_utils``) of whether a padding mask can be left
 out; each takes the mask first."""
@@ -152,6 +153,36 @@ def _real_ones(real: list[Any], fake: list[Any]) -> list[torch.Tensor]:
     return ones
 
 
+def _runs_hugging_face(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is, or holds, a Hugging Face model."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and any(
+        isinstance(m, transformers.PreTrainedModel) for m in model.modules()
+    )
+
+
+def _mask_checks() -> dict[str, Callable[..., bool]]:
+    """Hugging Face's mask checks (`_MASK_CHECKS`) where its release has them (from 4.53 on)."""
+    masking = sys.modules.get("transformers.masking_utils")
+    return {name: getattr(masking, name) for name in _MASK_CHECKS if hasattr(masking, name)}
+
+
+def _without_a_mask_of_ones(model: torch.nn.Module, given: Any, inputs: Any) -> Any:
+    """``inputs`` without their attention mask where ``given``'s is of real ones and the Hugging
+    Face release has no mask checks to decide on a known one (Note [A mask of ones is known as
+    such]): before them, it read the mask's values to skip it, which fake tensors do not have,
+    and a mask of ones means what none means."""
+    if (
+        _mask_checks()
+        or not isinstance(given, Mapping)
+        or not isinstance(inputs, dict)
+        or not _runs_hugging_face(model)
+        or not _real_ones([given.get("attention_mask")], [given.get("attention_mask")])
+    ):
+        return inputs
+    return {**inputs, "attention_mask": None}
+
+
 @contextlib.contextmanager
 def _masks_of_ones_known(
     model: torch.nn.Module, real: list[Any], fake: list[Any]
@@ -159,17 +190,12 @@ def _masks_of_ones_known(
     """While a step that runs a Hugging Face model is traced, its checks of a mask known to hold
     ones (the fake copies, ``fake``, of the batch's tensors of real ones, ``real``, or one made
     so) take none in its place (Note [A mask of ones is known as such])."""
-    transformers = sys.modules.get("transformers")
-    masking = sys.modules.get("transformers.masking_utils")
-    if (
-        transformers is None
-        or masking is None
-        or not any(isinstance(m, transformers.PreTrainedModel) for m in model.modules())
-    ):
+    checks = _mask_checks()
+    if not checks or not _runs_hugging_face(model):
         yield
         return
+    masking = sys.modules["transformers.masking_utils"]
     ones = _Ones(_real_ones(real, fake))  # read only here: a Hugging Face model's tokens
-    checks = {name: getattr(masking, name) for name in _MASK_CHECKS if hasattr(masking, name)}
 
     def knowing(check: Callable[..., bool]) -> Callable[..., bool]:
         @functools.wraps(check)
@@ -455,6 +481,7 @@ def trace_step(
             for t in given_leaves
         ]
         inputs = tree_unflatten(leaves, structure)  # the batch's own structure, faked
+        inputs = _without_a_mask_of_ones(built, given, inputs)
         if mapping:
             inputs = _as(type(given), inputs)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]

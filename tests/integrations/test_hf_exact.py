@@ -97,13 +97,21 @@ class _Wrapped(torch.nn.Module):
         return self.inner(**batch)
 
 
+@pytest.mark.parametrize("older", [False, True], ids=["mask-checks", "before-mask-checks"])
 @pytest.mark.parametrize("wrapped", [False, True], ids=["model", "wrapped"])
 @pytest.mark.parametrize("padded", [False, True], ids=["ones", "padded"])
-def test_a_tokenizers_batch_is_traced_as_the_step_runs_it(padded, wrapped, spill_dir, caplog):
+def test_a_tokenizers_batch_is_traced_as_the_step_runs_it(
+    padded, wrapped, older, spill_dir, caplog, monkeypatch
+):
     """A BatchEncoding with an attention mask and labels, through the default step (the model's
     own loss): with a mask of ones the model builds no mask of its own where it runs, and is
-    traced so (Note [A mask of ones is known as such]), inside a module of the user's too; with
-    padding it builds one in both. Either way every step follows the plan, bit for bit."""
+    traced so (Note [A mask of ones is known as such]), inside a module of the user's too, and
+    as a release without Hugging Face's mask checks is (the mask traced as none); with padding
+    it builds one in both. Either way every step follows the plan, bit for bit."""
+    if older:
+        from lms.analysis import trace as tracing
+
+        monkeypatch.setattr(tracing, "_MASK_CHECKS", ())
     inner = _model("llama")
     for layer in inner.model.layers:  # without dropout SDPA runs its fused kernel, masked or not
         layer.self_attn.attention_dropout = 0.0

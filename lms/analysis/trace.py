@@ -134,23 +134,20 @@ class _Ones(TorchDispatchMode):
         return isinstance(tensor, torch.Tensor) and tensor in self.seen
 
 
-def _real_ones(real: list[Any], fake: list[Any]) -> list[torch.Tensor]:
-    """The fake copies (``fake``) of the batch's integer and boolean tensors (``real``) whose
-    values are all ones (Note [A mask of ones is known as such])."""
-    ones = []
+def _holds_ones(tensor: object) -> bool:
+    """Whether ``tensor`` is a real integer or boolean tensor whose values are all ones (Note [A
+    mask of ones is known as such])."""
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or not is_plain(tensor)
+        or tensor.is_meta
+        or tensor.is_floating_point()
+        or tensor.is_complex()
+        or not tensor.numel()
+    ):
+        return False
     with _disable_current_modes():
-        for given, copy in zip(real, fake, strict=True):
-            if (
-                isinstance(given, torch.Tensor)
-                and is_plain(given)
-                and not given.is_meta
-                and not given.is_floating_point()
-                and not given.is_complex()
-                and given.numel()
-                and bool((given == 1).all())
-            ):
-                ones.append(copy)
-    return ones
+        return bool((tensor == 1).all())
 
 
 def _runs_hugging_face(model: torch.nn.Module) -> bool:
@@ -167,17 +164,15 @@ def _mask_checks() -> dict[str, Callable[..., bool]]:
     return {name: getattr(masking, name) for name in _MASK_CHECKS if hasattr(masking, name)}
 
 
-def _without_a_mask_of_ones(model: torch.nn.Module, given: Any, inputs: Any) -> Any:
-    """``inputs`` without their attention mask where ``given``'s is of real ones and the Hugging
-    Face release has no mask checks to decide on a known one (Note [A mask of ones is known as
-    such]): before them, it read the mask's values to skip it, which fake tensors do not have,
-    and a mask of ones means what none means."""
+def _without_a_mask_of_ones(given: Any, inputs: Any) -> Any:
+    """``inputs`` without their attention mask where ``given``'s is of real ones, for a Hugging
+    Face release without mask checks to decide on a known one (Note [A mask of ones is known as
+    such]): it read the mask's values to skip it, which fake tensors do not have, and a mask of
+    ones means what none means."""
     if (
-        _mask_checks()
-        or not isinstance(given, Mapping)
+        not isinstance(given, Mapping)
         or not isinstance(inputs, dict)
-        or not _runs_hugging_face(model)
-        or not _real_ones([given.get("attention_mask")], [given.get("attention_mask")])
+        or not _holds_ones(given.get("attention_mask"))
     ):
         return inputs
     return {**inputs, "attention_mask": None}
@@ -185,17 +180,16 @@ def _without_a_mask_of_ones(model: torch.nn.Module, given: Any, inputs: Any) -> 
 
 @contextlib.contextmanager
 def _masks_of_ones_known(
-    model: torch.nn.Module, real: list[Any], fake: list[Any]
+    checks: dict[str, Callable[..., bool]], real: list[Any], fake: list[Any]
 ) -> Iterator[None]:
-    """While a step that runs a Hugging Face model is traced, its checks of a mask known to hold
-    ones (the fake copies, ``fake``, of the batch's tensors of real ones, ``real``, or one made
-    so) take none in its place (Note [A mask of ones is known as such])."""
-    checks = _mask_checks()
-    if not checks or not _runs_hugging_face(model):
+    """While a step that runs a Hugging Face model is traced, its ``checks`` (`_mask_checks`) of
+    a mask known to hold ones (the fake copies, ``fake``, of the batch's tensors of real ones,
+    ``real``, or one made so) take none in its place (Note [A mask of ones is known as such])."""
+    if not checks:
         yield
         return
     masking = sys.modules["transformers.masking_utils"]
-    ones = _Ones(_real_ones(real, fake))  # read only here: a Hugging Face model's tokens
+    ones = _Ones([copy for given, copy in zip(real, fake, strict=True) if _holds_ones(given)])
 
     def knowing(check: Callable[..., bool]) -> Callable[..., bool]:
         @functools.wraps(check)
@@ -481,7 +475,11 @@ def trace_step(
             for t in given_leaves
         ]
         inputs = tree_unflatten(leaves, structure)  # the batch's own structure, faked
-        inputs = _without_a_mask_of_ones(built, given, inputs)
+        # Note [A mask of ones is known as such]: the batch's tokens are read only for these
+        hugging_face = _runs_hugging_face(built)
+        checks = _mask_checks() if hugging_face else {}
+        if hugging_face and not checks:  # a release before the checks
+            inputs = _without_a_mask_of_ones(given, inputs)
         if mapping:
             inputs = _as(type(given), inputs)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
@@ -505,7 +503,7 @@ def trace_step(
                 recorder.forward_nodes,
                 hooks,
                 _eager() as watch,
-                _masks_of_ones_known(built, given_leaves, leaves),
+                _masks_of_ones_known(checks, given_leaves, leaves),
             ):
                 with amp:
                     result = step(built, inputs)

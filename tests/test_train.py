@@ -2,6 +2,7 @@
 
 import json
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -537,13 +538,41 @@ def test_a_memory_snapshot_of_a_cpu_run_is_refused_before_training(tmp_path, cap
 
 
 def test_hugging_face_checkpointing_is_a_peer_for_its_models():
+    """Both Hugging Face peers train the model to the plain step's loss, through the current
+    ``activation_checkpointing_enable`` (no deprecation warning); a model without it is
+    refused, naming the method to use."""
     pytest.importorskip("transformers")
     from lms.harness.train import train
 
-    result = train("gpt2", size=16, steps=1, method="hf_checkpoint", progress=False)
-    assert result.method == "hf_checkpoint" and result.peak_bytes > 0 and result.loss > 0
+    llama = "tests.test_train:tiny_llama"
+    plain = train(llama, size=16, steps=1, method="none", progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        for method in ("hf_checkpoint", "hf_offload"):
+            result = train(llama, size=16, steps=1, method=method, progress=False)
+            assert result.method == method and result.peak_bytes > 0
+            assert result.loss == plain.loss
     with pytest.raises(ValueError, match="hf_checkpoint takes a Hugging Face model"):
         train("tinylm", size=16, steps=1, method="hf_checkpoint", progress=False)
+
+
+def test_an_older_hugging_face_release_checkpoints_but_cannot_offload():
+    """Releases of `transformers` before ``activation_checkpointing_enable`` still checkpoint
+    through ``gradient_checkpointing_enable``; offloading is refused, naming the upgrade."""
+    from lms.harness.train import _hugging_face_checkpointing
+
+    class Older(torch.nn.Module):
+        enabled = 0
+
+        def gradient_checkpointing_enable(self):
+            self.enabled += 1
+
+    model = Older()
+    _hugging_face_checkpointing(model, "older", offload=False)
+    assert model.enabled == 1
+    with pytest.raises(ValueError, match="hf_offload needs a transformers release.*upgrade"):
+        _hugging_face_checkpointing(model, "older", offload=True)
+    assert model.enabled == 1
 
 
 def test_the_compile_peer_compiles_its_model_under_the_activation_budget(monkeypatch):

@@ -39,6 +39,7 @@ BENCH_METHODS = (
     "save_on_cpu",
     "checkpoint",
     "hf_checkpoint",
+    "hf_offload",
     "compile_budget",
 )
 """`lms train`'s methods, and "lms_free_held": LMS whose plans may empty what the step's code

@@ -3,6 +3,7 @@
 Methods: ``none`` (plain), ``lms`` (this library, tuned to the budget), ``save_on_cpu``
 (`torch.autograd.graph.save_on_cpu`), ``checkpoint`` (non-reentrant activation checkpointing of
 every block), ``hf_checkpoint`` (a Hugging Face model's own gradient checkpointing),
+``hf_offload`` (the same, its checkpoints' inputs held in host memory: ``offload=True``),
 ``compile_budget`` (``torch.compile`` whose partitioner recomputes to keep `COMPILE_BUDGET` of
 the activations: ``torch._functorch.config.activation_memory_budget``). Memory is the device's
 peak allocation on a GPU; on the CPU, the weights, buffers and batch the step starts with plus the
@@ -36,7 +37,15 @@ from lms.orchestration.session import LMS
 __all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks"]
 
 log = logging.getLogger("lms.harness.train")
-METHODS = ("none", "lms", "save_on_cpu", "checkpoint", "hf_checkpoint", "compile_budget")
+METHODS = (
+    "none",
+    "lms",
+    "save_on_cpu",
+    "checkpoint",
+    "hf_checkpoint",
+    "hf_offload",
+    "compile_budget",
+)
 COMPILE_BUDGET = 0.5
 """``activation_memory_budget`` of the "compile_budget" method: the share of the activations
 torch.compile's partitioner may keep for backward (0 recomputes all it can, 1 keeps all)."""
@@ -336,19 +345,40 @@ def _model_and_batch(
         model = model.to(memory_format=fmt)
     if method == "checkpoint":
         model = checkpoint_blocks(model)
-    if method == "hf_checkpoint":  # Hugging Face's own: each layer recomputed in backward
-        enable = getattr(model, "gradient_checkpointing_enable", None)
-        if not callable(enable):
-            raise ValueError(
-                f"lms: method hf_checkpoint takes a Hugging Face model (gpt2, llama); "
-                f"{entry.name} has no gradient_checkpointing_enable(); use method checkpoint"
-            )
-        enable()
+    if method in ("hf_checkpoint", "hf_offload"):
+        _hugging_face_checkpointing(model, entry.name, offload=method == "hf_offload")
     batch = list(data) if data is not None else list(entry.make_batch(size, batch_size))
     batch = [t.to(target) for t in batch]
     if fmt is not None:
         batch[0] = batch[0].contiguous(memory_format=fmt)
     return model, batch
+
+
+def _hugging_face_checkpointing(model: torch.nn.Module, name: str, *, offload: bool) -> None:
+    """Turn on a Hugging Face model's own checkpointing of its layers: each recomputed in
+    backward, its inputs held in pinned host memory with ``offload`` (releases of `transformers`
+    that have ``activation_checkpointing_enable``; older ones name it
+    ``gradient_checkpointing_enable`` and cannot offload)."""
+    method = "hf_offload" if offload else "hf_checkpoint"
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(offload=offload)
+        return
+    older = getattr(model, "gradient_checkpointing_enable", None)
+    if not callable(older):
+        raise ValueError(
+            f"lms: method {method} takes a Hugging Face model (gpt2, llama); {name} has no "
+            f"activation_checkpointing_enable(); use method checkpoint"
+        )
+    if offload:
+        import transformers
+
+        raise ValueError(
+            f"lms: method hf_offload needs a transformers release whose models offer "
+            f"activation_checkpointing_enable(offload=True); this one is "
+            f"{transformers.__version__}: upgrade it, or use method hf_checkpoint"
+        )
+    older()
 
 
 def _run_steps(

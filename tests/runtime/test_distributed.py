@@ -93,17 +93,20 @@ def _step(model, batch):
     return loss
 
 
-def _worker(rank, folder, offloaded, kind):
+def _worker(rank, folder, kinds):
+    """Each kind's two steps on this rank, plain then with LMS, in one process group."""
     dist.init_process_group(
         "gloo", init_method=f"file://{folder}/rendezvous", rank=rank, world_size=WORLD
     )
     try:
-        _train(rank, folder, offloaded, kind)
-        # The model, its mesh and FSDP's state are gone with `_train`'s frame, so the process
-        # group is torn down here, once both ranks are done, rather than as the process exits
-        # (where gloo's threads, still held, abort it).
-        gc.collect()
-        dist.barrier()
+        for kind in kinds:
+            for offloaded in (False, True):
+                _train(rank, folder, offloaded, kind)
+                # The model, its mesh and FSDP's state are gone with `_train`'s frame, so the
+                # process group is torn down here, once both ranks are done, rather than as the
+                # process exits (where gloo's threads, still held, abort it).
+                gc.collect()
+                dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -141,7 +144,7 @@ def _train(rank, folder, offloaded, kind):
     offload = None
     report = {}
     if offloaded:
-        spill = os.path.join(folder, f"spill{rank}")
+        spill = os.path.join(folder, f"{kind}-spill{rank}")
         os.mkdir(spill)
         settings = {"swapout_threshold": 1} if kind == "tp" else {"budget": "2MiB"}
         if kind == "llama":  # 80% of what the step's tensors take at once, as simulated
@@ -164,7 +167,8 @@ def _train(rank, folder, offloaded, kind):
             if kind == "tp":  # DTensors flow through forward: refused before any work
                 lms.analysis.trace_step(model, batch, step, device="cpu")
             else:
-                offload.tune(model, batch, step, cache_dir=os.path.join(folder, f"plans{rank}"))
+                plans = os.path.join(folder, f"{kind}-plans{rank}")
+                offload.tune(model, batch, step, cache_dir=plans)
         except lms.UnplannableStepError as error:
             report["refused"] = str(error)
     for _ in range(2):
@@ -182,19 +186,36 @@ def _train(rank, folder, offloaded, kind):
         report["plan"] = offload.plan
         report["stats"] = offload.stats
         offload.close()
-        report["spill_files"] = os.listdir(os.path.join(folder, f"spill{rank}"))
-    torch.save(report, os.path.join(folder, f"rank{rank}.pt"))
+        report["spill_files"] = os.listdir(spill)
+    name = f"{kind}-{'lms' if offloaded else 'plain'}-rank{rank}.pt"
+    torch.save(report, os.path.join(folder, name))
 
 
-def _fit(folder, offloaded, kind="ddp"):
-    os.makedirs(folder)
-    mp.spawn(_worker, args=(folder, offloaded, kind), nprocs=WORLD)
-    return [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory):
+    """Every kind's reports, plain and with LMS, a list of the ranks' each: one spawn of the
+    ranks runs them all."""
+    kinds = ["ddp", "fsdp", "tp"]
+    try:
+        import transformers  # noqa: F401
+
+        kinds.append("llama")
+    except ImportError:
+        pass
+    folder = str(tmp_path_factory.mktemp("ranks"))
+    mp.spawn(_worker, args=(folder, kinds), nprocs=WORLD)
+
+    def load(kind, method):
+        return [
+            torch.load(os.path.join(folder, f"{kind}-{method}-rank{r}.pt"), weights_only=False)
+            for r in range(WORLD)
+        ]
+
+    return {kind: (load(kind, "plain"), load(kind, "lms")) for kind in kinds}
 
 
-def test_data_parallel_steps_are_bitwise_and_follow_each_plan(tmp_path):
-    plain = _fit(str(tmp_path / "plain"), offloaded=False)
-    ranks = _fit(str(tmp_path / "lms"), offloaded=True)
+def test_data_parallel_steps_are_bitwise_and_follow_each_plan(fits):
+    plain, ranks = fits["ddp"]
     for rank, report in enumerate(ranks):
         plan, stats = report["plan"], report["stats"]
         assert plan.offload, "the budget is meant to make the plan move tensors"
@@ -204,11 +225,10 @@ def test_data_parallel_steps_are_bitwise_and_follow_each_plan(tmp_path):
             assert same_bits(a, b)
 
 
-def test_sharded_steps_follow_their_tuned_plan_bitwise_within_the_budget(tmp_path):
+def test_sharded_steps_follow_their_tuned_plan_bitwise_within_the_budget(fits):
     """Note [FSDP2's layers traced whole]: each process tunes its FSDP2 model (its hooks lifted
     while traced, and back after) and its steps follow the plan, bitwise those of plain FSDP2."""
-    plain = _fit(str(tmp_path / "plain"), offloaded=False, kind="fsdp")
-    ranks = _fit(str(tmp_path / "lms"), offloaded=True, kind="fsdp")
+    plain, ranks = fits["fsdp"]
     for rank, report in enumerate(ranks):
         plan, stats = report["plan"], report["stats"]
         assert "refused" not in report, report.get("refused")
@@ -221,12 +241,11 @@ def test_sharded_steps_follow_their_tuned_plan_bitwise_within_the_budget(tmp_pat
             assert same_bits(a, b)
 
 
-def test_a_sharded_llama_follows_its_tuned_plan_bitwise(tmp_path):
+def test_a_sharded_llama_follows_its_tuned_plan_bitwise(fits):
     """FSDP2 over each decoder layer and the root of a tiny Llama (GQA, rotary embeddings,
     SDPA): tuned on each rank, bitwise those of plain FSDP2."""
     pytest.importorskip("transformers")
-    plain = _fit(str(tmp_path / "plain"), offloaded=False, kind="llama")
-    ranks = _fit(str(tmp_path / "lms"), offloaded=True, kind="llama")
+    plain, ranks = fits["llama"]
     for rank, report in enumerate(ranks):
         plan, stats = report["plan"], report["stats"]
         assert "refused" not in report, report.get("refused")
@@ -248,7 +267,7 @@ def test_a_sharded_llama_follows_its_tuned_plan_bitwise(tmp_path):
             assert same_bits(a, b)
 
 
-def test_tensor_parallel_steps_move_the_dtensors_saved_bitwise(tmp_path):
+def test_tensor_parallel_steps_move_the_dtensors_saved_bitwise(fits, tmp_path):
     """Every saved activation moves, the DTensors' local shards too: as many storages as the
     same model unsplit moves, in one process."""
     alone, batch = _feedforward_model(), _feedforward_batch()
@@ -262,8 +281,7 @@ def test_tensor_parallel_steps_move_the_dtensors_saved_bitwise(tmp_path):
     moved = offload.stats.offloaded_tensors
     # each block: its norm's input, mean and rstd, the GELU's input, the projections' inputs
     assert moved >= 2 * 6 * len(alone)
-    plain = _fit(str(tmp_path / "plain"), offloaded=False, kind="tp")
-    ranks = _fit(str(tmp_path / "lms"), offloaded=True, kind="tp")
+    plain, ranks = fits["tp"]
     for rank, report in enumerate(ranks):
         assert "tensor parallel" in report["refused"], rank
         assert report["stats"].offloaded_tensors == moved, rank

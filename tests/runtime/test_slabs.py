@@ -37,7 +37,7 @@ UNET = COMMON + textwrap.dedent(
     # the slabs and the plan as tune makes them, less the timing of ops and the climb for speed
     trace = fit_in_slabs(traced, spec, budget, free_held=True, trace=whole, refuse=True)
     slabs = dict(trace.slabs)
-    plan = plan_auto(trace, spec, budget, free_held=True, max_simulations=1000)
+    plan = plan_auto(trace, spec, budget, free_held=True, max_simulations=200)
     # sync_mode 3: the runtime's own pace, not the disk's
     plan = dataclasses.replace(plan, slabs=trace.slabs, use_order=trace.use_order, sync_mode=3)
     reference = copy.deepcopy(model)

@@ -227,6 +227,16 @@ def no_convolution():
     return torch.nn.Linear(4, 4)
 
 
+def pooled_classifier():
+    """Images pooled by a 5-pixel window: too small an image fails in the pooling's shape check."""
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AvgPool2d(5), torch.nn.Flatten())
+
+
+def lazy_classifier():
+    """A lazy module, whose parameters its first call makes."""
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
+
+
 class _MeanOverTokens(torch.nn.Module):
     def forward(self, x):
         return x.mean(1)
@@ -246,6 +256,17 @@ def tiny_llama():
         num_attention_heads=2, num_key_value_heads=1,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config)
+
+
+def tiny_mixtral():
+    """A Hugging Face mixture of experts: its experts' products are one grouped product."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
 
 
 def tiny_bart():
@@ -283,6 +304,30 @@ def test_an_imported_builder_is_fed_what_its_first_convolution_takes(builder, sh
     assert (" 12 tokens " in report["model"]) == (len(shapes[0]) == 2)  # named by what it takes
     argv = ["-q", "train", "--model", f"tests.test_train:{builder}", "--image-size", "12"]
     assert main([*argv, "--steps", "1", "--budget", "1GiB", "--json", str(out)]) == 0
+
+
+def test_a_mixture_of_experts_in_single_precision_is_fed_its_tokens():
+    """Note [Grouped products the CPU takes in single precision]: the probe for the output's
+    shape, on the meta device, takes the experts' float32 grouped product as the CPU does."""
+    pytest.importorskip("transformers")
+    inputs, labels = zoo_model("tests.test_train:tiny_mixtral").make_batch(12, 2)
+    assert inputs.shape == labels.shape == (2, 12) and int(labels.max()) < 40
+
+
+def test_a_size_the_model_cannot_take_is_refused_once(caplog, capsys):
+    """Note [A failed shape check is told once]: the error names the failed check, and the fake
+    tensors' log of its traceback is left out."""
+    argv = ["analyze", "--model", "tests.test_train:pooled_classifier", "--image-size", "6"]
+    with caplog.at_level("DEBUG"):
+        assert main(argv) == 2
+    assert "Output size is too small" in capsys.readouterr().err
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+
+
+def test_a_builder_of_a_lazy_module_is_refused_naming_it(capsys):
+    argv = ["analyze", "--model", "tests.test_train:lazy_classifier", "--image-size", "8"]
+    assert main(argv) == 2
+    assert "Sequential.2 (LazyLinear) is a lazy module" in capsys.readouterr().err
 
 
 def test_an_imported_builder_without_a_convolution_is_refused_naming_the_way_on(capsys):

@@ -454,7 +454,9 @@ def _workspace(func: Any, args: Any, kwargs: Any, out: Any) -> tuple[torch.Tenso
 _GROUPED_MM = torch.ops.aten._grouped_mm.default if hasattr(torch.ops.aten, "_grouped_mm") else None
 
 
-def _grouped_mm_on_cpu(args: Any, kwargs: Any) -> torch.Tensor | None:
+def _grouped_mm_on_cpu(
+    args: Any, kwargs: Any, devices: tuple[str, ...] = ("cpu",)
+) -> torch.Tensor | None:
     """A grouped matrix product in single or double precision on the CPU, under fake tensors.
 
     Note: [Grouped products the CPU takes in single precision]
@@ -464,13 +466,14 @@ def _grouped_mm_on_cpu(args: Any, kwargs: Any) -> torch.Tensor | None:
     and float64: traced on the CPU, such a model's float32 step would fail where it runs. For those
     calls alone the output is made as the fake kernel makes it (the same shape rules, through
     PyTorch's own helper), in the dtype asked for; None for any other call, or where this PyTorch
-    lacks the helper, which the fake kernel then gets."""
+    lacks the helper, which the fake kernel then gets. ``devices``: where the CPU's rules hold
+    (the meta device too, where a model is only probed for its output's shape)."""
     if len(args) < 2:
         return None
     mat_a, mat_b = args[0], args[1]
     if not (isinstance(mat_a, FakeTensor) and isinstance(mat_b, FakeTensor)):
         return None
-    if mat_a.device.type != "cpu" or mat_a.dtype not in (torch.float32, torch.float64):
+    if mat_a.device.type not in devices or mat_a.dtype not in (torch.float32, torch.float64):
         return None
     try:
         from torch._meta_registrations import _create_grouped_mm_output_tensor
@@ -483,6 +486,21 @@ def _grouped_mm_on_cpu(args: Any, kwargs: Any) -> torch.Tensor | None:
         return None
     made: torch.Tensor = _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype)
     return made
+
+
+class CpuKernelShapes(TorchDispatchMode):
+    """Under fake tensors (entered within their mode), the ops whose fake kernel refuses what the
+    CPU's takes are given outputs by the CPU's rules, on the CPU or the meta device (Note
+    [Grouped products the CPU takes in single precision]): for a model probed for its output's
+    shape, as the recorder does for a traced step."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        if func is _GROUPED_MM:
+            out = _grouped_mm_on_cpu(args, kwargs, devices=("cpu", "meta"))
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
 
 
 _CUDNN_RNN = torch.ops.aten._cudnn_rnn.default

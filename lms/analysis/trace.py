@@ -291,6 +291,11 @@ def _build(
         )
         built, real = model(), True
     except RuntimeError as error:
+        if "UninitializedParameter" in str(error):  # a lazy module, which fake tensors cannot make
+            built = model()
+            if isinstance(built, torch.nn.Module):
+                _refuse_lazy(built)
+            raise
         if not str(error).startswith("_apply(): Couldn't swap"):
             raise
         log.info(
@@ -375,6 +380,31 @@ def _fake_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
         for module in model.modules():
             if isinstance(module, torch.nn.RNNBase):
                 module._init_flat_weights()  # its list of weights held the fake ones
+
+
+class _MetaFailures(logging.Filter):
+    """Drops fake tensors' log of a shape check that failed (Note [A failed shape check is
+    told once])."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+
+@contextlib.contextmanager
+def meta_failures_told_once() -> Iterator[None]:
+    """Note: [A failed shape check is told once]
+    An op whose shapes do not fit (a pooling window larger than its input, at a size the model
+    was not made for) fails in its meta kernel, and fake tensors log the whole traceback at
+    error level before raising. The trace turns that exception into its own error, which names
+    it and the fix, so the log would tell the user the same thing twice, the first time at
+    length. It is dropped while the step is traced, and only that message."""
+    quiet = _MetaFailures()
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        fake_log.removeFilter(quiet)
 
 
 @contextlib.contextmanager
@@ -504,6 +534,7 @@ def trace_step(
                 hooks,
                 _eager() as watch,
                 _masks_of_ones_known(checks, given_leaves, leaves),
+                meta_failures_told_once(),
             ):
                 with amp:
                     result = step(built, inputs)

@@ -18,7 +18,8 @@ from torch import no_grad
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 
-from lms.analysis.trace import primary_output
+from lms.analysis.recorder import CpuKernelShapes
+from lms.analysis.trace import meta_failures_told_once, primary_output
 from lms.core.extras import require
 
 __all__ = ["ZooModel", "ZOO", "zoo_model", "TinyLM"]
@@ -447,7 +448,13 @@ def _imported(
         try:
             # fake tensors over the meta device: a model's code that asks whether it is
             # traced (Hugging Face's masks) then reads no value, which meta tensors lack
-            with _disable_current_modes(), FakeTensorMode(allow_non_fake_inputs=True), no_grad():
+            with (
+                _disable_current_modes(),
+                FakeTensorMode(allow_non_fake_inputs=True),
+                no_grad(),
+                meta_failures_told_once(),
+                CpuKernelShapes(),
+            ):
                 meta = torch.empty_like(inputs, device="meta")
                 decoded = torch.zeros(batch, size, dtype=torch.long, device="meta")
                 shape = primary_output(

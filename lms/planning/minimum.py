@@ -87,7 +87,7 @@ def _free_held_hint(candidates: Candidates, needed: int) -> str:
         smallest_plan(freeing)
         outcome = "with it the step fits this budget"
     except PlanInfeasibleError as error:
-        if error.min_budget_bytes >= needed:
+        if error.min_budget_bytes > 0.99 * needed:  # within rounding of the same floor
             return ""
         outcome = f"with it the step needs {format_bytes(error.min_budget_bytes)}"
     finally:

@@ -554,21 +554,22 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # tensors do not show. How much depends on the kernel PyTorch picks for it, which
 # `torch._C._select_conv_backend` tells from the tensors' shapes, layout and dtype. oneDNN copies
 # the weights into its blocked layout (and in backward makes their gradient there), copies
-# activations in the contiguous layout in and the results back, and in half precision keeps a weight
-# gradient's operands in single precision; the native kernels kept for small convolutions unfold the
-# input into columns, one per kernel tap. `_cpu_scratch` estimates each of these from the op's
+# activations in the contiguous layout in and the results back, and in half precision keeps a
+# weight gradient's operands in single precision; the native kernels kept for small convolutions
+# unfold the input into columns, one per kernel tap, and take their activations contiguous (an
+# input in the channels-last layout is copied, and in backward its output gradient too: a 3D
+# U-Net's upsampling of few channels). `_cpu_scratch` estimates each of these from the op's
 # tensors, channels counted up to a whole block of `_CHANNEL_BLOCK`. A convolution runs in the
-# channels-last layout where its input or its weight is in it, and copies an input that is not
-# (an instance norm's output, which comes contiguous) into it first; backward likewise copies an
-# output gradient laid out otherwise than the convolution runs (the gradient of a mean over
-# channels, which comes contiguous). A depthwise convolution in the channels-last layout with a
-# kernel wider than 3 (EfficientNet's and MobileNetV3's 5x5, ConvNeXt's 7x7) makes its weight
-# gradient with each channel's single input and output counted up to a whole block, hundreds of
-# times its own bytes (`_padded_depthwise`). A dilated
-# convolution whose kernel spans more than its input takes more than estimated. The simulator
-# counts scratch for the "cpu" spec only (`DeviceSpec.cpu_scratch`); other ops' scratch is small.
-# The sizes measured per kernel, and how close the estimates came: benchmarks/results/README.md,
-# "Convolution scratch on the CPU".
+# channels-last layout where its input or its weight is in it, and copies an input that is not (an
+# instance norm's output, which comes contiguous) into it first; backward likewise copies an output
+# gradient laid out otherwise than the convolution runs (the gradient of a mean over channels,
+# which comes contiguous). A depthwise convolution in the channels-last layout with a kernel wider
+# than 3 (EfficientNet's and MobileNetV3's 5x5, ConvNeXt's 7x7) makes its weight gradient with each
+# channel's single input and output counted up to a whole block, hundreds of times its own bytes
+# (`_padded_depthwise`). A dilated convolution whose kernel spans more than its input takes more
+# than estimated. The simulator counts scratch for the "cpu" spec only (`DeviceSpec.cpu_scratch`);
+# other ops' scratch is small. The sizes measured per kernel, and how close the estimates came:
+# benchmarks/results/README.md, "Convolution scratch on the CPU".
 _CONVOLUTIONS = {"aten.convolution.default", "aten.convolution_backward.default"}
 _CHANNEL_BLOCK = 16
 
@@ -591,7 +592,10 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
             columns = weight.size(1) * groups * taps * math.prod(given.shape[2:])
         else:
             columns = given.size(1) * taps * math.prod(grad_out.shape[2:])
-        return columns * given.size(0) * given.element_size()
+        # the native kernels take their activations contiguous: others are copied so first
+        copied = [given, grad_out] if backward else [given]
+        relaid = sum(t.numel() * t.element_size() for t in copied if not t.is_contiguous())
+        return columns * given.size(0) * given.element_size() + relaid
     if not kernel.startswith("Mkldnn"):
         return 0
     # its weights in the blocked layout, and backward's weight gradient before it is copied out

@@ -554,12 +554,13 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # tensors do not show. How much depends on the kernel PyTorch picks for it, which
 # `torch._C._select_conv_backend` tells from the tensors' shapes, layout and dtype. oneDNN copies
 # the weights into its blocked layout (and in backward makes their gradient there), copies
-# activations in the contiguous layout in and the results back, and in half precision keeps a
-# weight gradient's operands in single precision; the native kernels kept for small convolutions
-# unfold the input into columns, one per kernel tap, and take their activations contiguous (an
-# input in the channels-last layout is copied, and in backward its output gradient too: a 3D
-# U-Net's upsampling of few channels). `_cpu_scratch` estimates each of these from the op's
-# tensors, channels counted up to a whole block of `_CHANNEL_BLOCK`. A convolution runs in the
+# activations in the contiguous layout in and the results back (forward: its input, where it has a
+# block of channels or more, beside its output made blocked, then copied out), and in half
+# precision keeps a weight gradient's operands in single precision; the native kernels kept for
+# small convolutions unfold the input into columns, one per kernel tap, and take their activations
+# contiguous (an input in the channels-last layout is copied, and in backward its output gradient
+# too: a 3D U-Net's upsampling of few channels). `_cpu_scratch` estimates each of these from the
+# op's tensors, channels counted up to a whole block of `_CHANNEL_BLOCK`. A convolution runs in the
 # channels-last layout where its input or its weight is in it, and copies an input that is not (an
 # instance norm's output, which comes contiguous) into it first; backward likewise copies an output
 # gradient laid out otherwise than the convolution runs (the gradient of a mean over channels,
@@ -626,7 +627,10 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
         if pointwise and given.element_size() < 4:  # its output four or five times over
             few = grad_out.size(1) < _CHANNEL_BLOCK
             return weights + given.numel() * given.element_size() + (5 if few else 4) * pad[1]
-        return weights + max(pad)
+        # the output made blocked, beside the blocked input (one of fewer channels than a block
+        # is read as it is), then copied out into a tensor of its own channels
+        source = pad[0] if given.size(1) >= _CHANNEL_BLOCK else 0
+        return weights + max(source + pad[1] - made, pad[1])
     input_grad = pad[0] if args[10][0] else 0
     if strided or transposed:
         return weights + relayout + pad[1] + pad[0] + max(input_grad, widened)

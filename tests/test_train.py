@@ -418,6 +418,8 @@ def test_bench_rotates_the_methods_and_keeps_each_median(monkeypatch):
     runs = len(order)
     with pytest.raises(ValueError, match="must name one or more of none, lms, lms_free_held"):
         compare.bench("resnet50", sizes=[64], budget=None, methods=["none", "lsm"])
+    with pytest.raises(ValueError, match="runs every size in the same memory: give it in bytes"):
+        compare.bench("resnet50", sizes=[64, 128], budget="60%")
     assert len(order) == runs  # refused before any run
 
 

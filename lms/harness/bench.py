@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from lms.core.units import check_counts, format_bytes, format_rate, parse_bytes
+from lms.core.units import check_counts, format_bytes, format_rate, parse_bytes, parse_share
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -111,6 +111,11 @@ def bench(
         )
     if min(sizes, default=0) < 1:
         raise ValueError(f"lms: sizes={list(sizes)} must be one or more edges of at least 1")
+    if parse_share(budget) is not None:  # one memory for every size, as a card has
+        raise ValueError(
+            f"lms: budget={budget!r} is a share of one step's peak, but a bench runs every size "
+            "in the same memory: give it in bytes (e.g. '32GiB'); lms train takes a share"
+        )
     limit = parse_bytes(budget, field="budget") if budget is not None else None
     points: list[dict[str, Any]] = []
     failed: set[str] = set()

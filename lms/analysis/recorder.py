@@ -556,20 +556,21 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # the weights into its blocked layout (and in backward makes their gradient there), copies
 # activations in the contiguous layout in and the results back (forward: its input, where it has a
 # block of channels or more, beside its output made blocked, then copied out), and in half
-# precision keeps a weight gradient's operands in single precision; the native kernels kept for
-# small convolutions unfold the input into columns, one per kernel tap, and take their activations
-# contiguous (an input in the channels-last layout is copied, and in backward its output gradient
-# too: a 3D U-Net's upsampling of few channels). `_cpu_scratch` estimates each of these from the
-# op's tensors, channels counted up to a whole block of `_CHANNEL_BLOCK`. A convolution runs in the
-# channels-last layout where its input or its weight is in it, and copies an input that is not (an
-# instance norm's output, which comes contiguous) into it first; backward likewise copies an output
-# gradient laid out otherwise than the convolution runs (the gradient of a mean over channels,
-# which comes contiguous). A depthwise convolution in the channels-last layout with a kernel wider
-# than 3 (EfficientNet's and MobileNetV3's 5x5, ConvNeXt's 7x7) makes its weight gradient with each
-# channel's single input and output counted up to a whole block, hundreds of times its own bytes
-# (`_padded_depthwise`). A dilated convolution whose kernel spans more than its input takes more
-# than estimated. The simulator counts scratch for the "cpu" spec only (`DeviceSpec.cpu_scratch`);
-# other ops' scratch is small. The sizes measured per kernel, and how close the estimates came:
+# precision keeps a weight gradient's operands in single precision (but a first layer's of fewer
+# channels than a block); the native kernels kept for small convolutions unfold the input into
+# columns, one per kernel tap, and take their activations contiguous (an input in the channels-last
+# layout is copied, and in backward its output gradient too: a 3D U-Net's upsampling of few
+# channels). `_cpu_scratch` estimates each of these from the op's tensors, channels counted up to a
+# whole block of `_CHANNEL_BLOCK`. A convolution runs in the channels-last layout where its input
+# or its weight is in it, and copies an input that is not (an instance norm's output, which comes
+# contiguous) into it first; backward likewise copies an output gradient laid out otherwise than
+# the convolution runs (the gradient of a mean over channels, which comes contiguous). A depthwise
+# convolution in the channels-last layout with a kernel wider than 3 (EfficientNet's and
+# MobileNetV3's 5x5, ConvNeXt's 7x7) makes its weight gradient with each channel's single input and
+# output counted up to a whole block, hundreds of times its own bytes (`_padded_depthwise`). A
+# dilated convolution whose kernel spans more than its input takes more than estimated. The
+# simulator counts scratch for the "cpu" spec only (`DeviceSpec.cpu_scratch`); other ops' scratch
+# is small. The sizes measured per kernel, and how close the estimates came:
 # benchmarks/results/README.md, "Convolution scratch on the CPU".
 _CONVOLUTIONS = {"aten.convolution.default", "aten.convolution_backward.default"}
 _CHANNEL_BLOCK = 16
@@ -659,7 +660,8 @@ def _widened(given: torch.Tensor, grad_out: torch.Tensor, args: Any, strided: bo
     """Bytes a half-precision weight gradient on a CPU takes for its input and output gradient
     in single precision (Note [Convolution scratch on the CPU]); 0 in single precision, where no
     weight gradient is asked for, or below a block of input channels."""
-    if given.element_size() >= 4 or not args[10][1] or given.size(1) < _CHANNEL_BLOCK:
+    first = not args[10][0]  # no input gradient: a first layer
+    if given.element_size() >= 4 or not args[10][1] or (first and given.size(1) < _CHANNEL_BLOCK):
         return 0
     if strided:
         return given.numel() * given.element_size() + grad_out.numel() * grad_out.element_size()

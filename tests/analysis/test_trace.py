@@ -397,6 +397,28 @@ def test_a_contiguous_convolution_makes_its_output_blocked_beside_its_input():
     assert stem == 16 * 4 * 9 * 4 + 16 * 512 * 512 * 4  # the output alone
 
 
+def test_a_half_precision_weight_gradient_of_few_channels_is_widened_past_a_first_layer():
+    """Note [Convolution scratch on the CPU]: in bfloat16 a weight gradient takes its input and
+    output gradient in single precision, blocked, also below a block of input channels, but for
+    a first layer (no input gradient). Measured for a segmentation head, 8->2 channels 1x1x1 at
+    64^3: 44.0 MiB over its tensors (16.0 were estimated)."""
+
+    def head_scratch(model):
+        def step(m, batch):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                m(*batch).float().square().mean().backward()
+
+        trace = trace_step(model, [torch.randn(1, 8, 32, 32, 32)], step, device="cpu")
+        ops = [op for op in trace.ops if op.name == "aten.convolution_backward.default"]
+        return ops[0].cpu_scratch_bytes  # backward reaches the head first
+
+    head = torch.nn.Conv3d(8, 2, 1)
+    alone = head_scratch(head)  # its input needs no gradient
+    behind = head_scratch(torch.nn.Sequential(torch.nn.Conv3d(8, 8, 3, padding=1), head))
+    blocked = 16 * 32**3  # elements of the input, and of the output gradient, 16 channels each
+    assert behind - alone == 4 * blocked + 4 * blocked  # both in single precision
+
+
 def test_a_native_transposed_convolution_copies_its_channels_last_input():
     """Note [Convolution scratch on the CPU]: a 3D upsampling of few channels runs PyTorch's
     native kernel, which unfolds into columns and takes its input contiguous, forward and

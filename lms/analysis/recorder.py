@@ -659,7 +659,8 @@ def _padded_depthwise(
 def _widened(given: torch.Tensor, grad_out: torch.Tensor, args: Any, strided: bool) -> int:
     """Bytes a half-precision weight gradient on a CPU takes for its input and output gradient
     in single precision (Note [Convolution scratch on the CPU]); 0 in single precision, where no
-    weight gradient is asked for, or below a block of input channels."""
+    weight gradient is asked for, or for a first layer (no input gradient) of fewer input
+    channels than a block."""
     first = not args[10][0]  # no input gradient: a first layer
     if given.element_size() >= 4 or not args[10][1] or (first and given.size(1) < _CHANNEL_BLOCK):
         return 0

@@ -292,9 +292,11 @@ def _build(
         built, real = model(), True
     except RuntimeError as error:
         if "UninitializedParameter" in str(error):  # a lazy module, which fake tensors cannot make
-            built = model()
-            if isinstance(built, torch.nn.Module):
-                _refuse_lazy(built)
+            lazy = None
+            with contextlib.suppress(Exception), torch.device("meta"):  # named, at no cost
+                lazy = model()
+            if isinstance(lazy, torch.nn.Module):
+                _refuse_lazy(lazy)
             raise
         if not str(error).startswith("_apply(): Couldn't swap"):
             raise

@@ -102,9 +102,10 @@ def _worker(rank, folder, kinds):
         for kind in kinds:
             for offloaded in (False, True):
                 _train(rank, folder, offloaded, kind)
-                # The model, its mesh and FSDP's state are gone with `_train`'s frame, so the
-                # process group is torn down here, once both ranks are done, rather than as the
-                # process exits (where gloo's threads, still held, abort it).
+                # The model, its mesh and FSDP's state are gone with `_train`'s frame: collected,
+                # and both ranks done, before the next kind, and before the process group is
+                # torn down here rather than as the process exits (where gloo's threads, still
+                # held, abort it).
                 gc.collect()
                 dist.barrier()
     finally:

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lms.analysis.values import Values
 from lms.core import junctions
 from lms.core.errors import UnplannableStepError
 from lms.core.keep import offload_blocked, without_node
@@ -35,9 +36,10 @@ SKIPPED_OPS = {"aten.detach.default", "aten.alias.default", "prim.device.default
 class Recorder(TorchDispatchMode):
     """Records every aten op, storage allocation and free, and saved-tensor event."""
 
-    def __init__(self, min_offload_bytes: int):
+    def __init__(self, min_offload_bytes: int, values: Values | None = None):
         super().__init__()
         self.min_offload_bytes = min_offload_bytes
+        self.values = values  # Note [A value the step reads is computed for real]
         self.ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.refs: dict[int, weakref.ref[Any]] = {}
         self.nbytes: list[int] = []
@@ -182,7 +184,9 @@ class Recorder(TorchDispatchMode):
             out = _cudnn_rnn_grads(*args, **kwargs)
         elif func is _GROUPED_MM:
             out = _grouped_mm_on_cpu(args, kwargs)
-        if out is None:
+        if out is None and self.values is not None:
+            out = self.values.call(func, args, kwargs)
+        elif out is None:
             out = func(*args, **kwargs)
         taken = _tensors_in((args, kwargs))
         returned = _tensors_in(out)

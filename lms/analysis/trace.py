@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import functools
 import gc
 import itertools
@@ -21,6 +22,7 @@ import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
+    FakeTensor,
     FakeTensorMode,
 )
 from torch.nn.parameter import is_lazy
@@ -30,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis import fsdp
 from lms.analysis.recorder import Recorder
+from lms.analysis.values import Values
 from lms.core.config import AUTO_MIN_OFFLOAD_BYTES
 from lms.core.errors import LMSError, StepStateError, UnplannableStepError, step_failed
 from lms.core.keep import is_plain, leave_modules
@@ -353,8 +356,9 @@ def _fake_like(
 
 
 @contextlib.contextmanager
-def _fake_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
-    """Swap the model's parameters and buffers for fake ones on ``device``; restore on exit.
+def _fake_state(model: torch.nn.Module, device: torch.device, values: Values) -> Iterator[None]:
+    """Swap the model's parameters and buffers for fake ones on ``device``, which ``values``
+    knows stand for them; restore on exit.
 
     A tensor that two modules hold (tied weights) gets one fake, and tensors that share a
     storage get fake ones that share one too (Note [Fake weights share their buffer])."""
@@ -373,6 +377,7 @@ def _fake_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
                         if isinstance(value, torch.nn.Parameter):
                             fake = torch.nn.Parameter(fake, requires_grad=value.requires_grad)
                         fakes[id(value)] = fake
+                        values.know(fake, value)
                     saved.append((table, name, value))
                     table[name] = fake
         yield
@@ -382,6 +387,53 @@ def _fake_state(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
         for module in model.modules():
             if isinstance(module, torch.nn.RNNBase):
                 module._init_flat_weights()  # its list of weights held the fake ones
+
+
+# Note: [A module's cache is put back]
+# A module may keep a tensor its forward made in an attribute: MONAI's DynUNet hands its
+# deep-supervision heads to its decoder in a list its blocks fill, and a module may cache a mask
+# or a table it made once. Traced, it keeps a fake tensor there, which the real step would then
+# take. So for a real model the trace remembers each module's own attributes (not those every
+# module has) and the lists and dicts they hold, and where one holds a fake tensor after the step,
+# puts back what it held before: a list or dict refilled in place (its holders share it), an
+# attribute made meanwhile dropped. The real step makes its own again, as it did the first time.
+# What holds a fake tensor outside the model (a GradScaler's scale) is refused (`_check_left`).
+_EVERY_MODULES = frozenset(vars(torch.nn.Module()))
+"""Attributes every module has (its parameters, buffers, submodules, hooks, mode)."""
+
+
+def _holds_fake(value: object) -> bool:
+    return any(isinstance(leaf, FakeTensor) for leaf in tree_flatten(value)[0])
+
+
+@contextlib.contextmanager
+def _module_caches_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Put back what the model's modules held in their own attributes where the step left a fake
+    tensor there (Note [A module's cache is put back])."""
+    kept = []
+    for module in model.modules():
+        before = {k: v for k, v in vars(module).items() if k not in _EVERY_MODULES}
+        held = {id(v): (v, copy.copy(v)) for v in before.values() if isinstance(v, (list, dict))}
+        kept.append((module, before, held))
+    try:
+        yield
+    finally:
+        for module, before, held in kept:
+            attributes = vars(module)
+            for key in [k for k, v in attributes.items() if k not in _EVERY_MODULES]:
+                if _holds_fake(attributes[key]):
+                    if key in before:
+                        attributes[key] = before[key]
+                    else:
+                        del attributes[key]
+            for container, contents in held.values():
+                if not _holds_fake(container):
+                    continue
+                if isinstance(container, list):
+                    container[:] = contents
+                else:
+                    container.clear()
+                    container.update(contents)
 
 
 class _MetaFailures(logging.Filter):
@@ -475,17 +527,20 @@ def trace_step(
     """
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     step = step_fn or default_step
-    recorder = Recorder(min_offload_bytes)
     # Real tensors the step takes from outside (a GradScaler's scale, a frozen teacher model's
     # weights) are traced as fake copies of themselves.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    values = Values()  # Note [A value the step reads is computed for real]
+    recorder = Recorder(min_offload_bytes, values)
     built, real = _build(model, fake_mode, target)
     sharded = fsdp.units(built)
     _refuse_sharded(built, name, sharded)
-    fake_state = _fake_state(built, target) if real else _noop()
+    fake_state = _fake_state(built, target, values) if real else _noop()
+    caches = _module_caches_kept(built) if real else _noop()
     with (
         _old_objects_frozen(),
         fsdp.hooks_lifted(built),
+        caches,
         fake_mode,
         torch.device(target),
         fake_state,
@@ -507,6 +562,9 @@ def trace_step(
             for t in given_leaves
         ]
         inputs = tree_unflatten(leaves, structure)  # the batch's own structure, faked
+        for given_leaf, leaf in zip(given_leaves, leaves, strict=True):
+            if isinstance(given_leaf, torch.Tensor):
+                values.know(leaf, given_leaf)
         # Note [A mask of ones is known as such]: the batch's tokens are read only for these
         hugging_face = _runs_hugging_face(built)
         checks = _mask_checks() if hugging_face else {}
@@ -620,10 +678,11 @@ def _check_left(made: list[Any]) -> None:
     shown = ", ".join(holders[:5]) or f"{len(left)} objects"
     raise StepStateError(
         f"lms: tracing the step left fake tensors in {shown}: the step made state while it ran "
-        "under fake tensors (a GradScaler's scale, a tensor a module caches), and those objects "
-        "now hold tensors a real step cannot use. Make them again, then make their state before "
-        "tune (run one real step first), or tune a step that leaves them out (for a GradScaler: "
-        "loss.backward() with autocast=torch.float16; scaling the loss changes no memory)",
+        "under fake tensors (a GradScaler's scale, a tensor an object outside the model keeps), "
+        "and those objects now hold tensors a real step cannot use. Make them again, then make "
+        "their state before tune (run one real step first), or tune a step that leaves them out "
+        "(for a GradScaler: loss.backward() with autocast=torch.float16; scaling the loss "
+        "changes no memory)",
         holders=holders,
     )
 

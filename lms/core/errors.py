@@ -72,7 +72,8 @@ class StepFailedError(LMSError):
 
 class StepStateError(LMSError):
     """The traced step left fake tensors in objects outside the trace: state it made lazily
-    while it ran under fake tensors (a `GradScaler`'s scale, a tensor a module caches).
+    while it ran under fake tensors (a `GradScaler`'s scale, a tensor an object outside the model
+    keeps; what the model's own modules keep is put back).
     ``holders`` names where each was found."""
 
     def __init__(self, message: str, *, holders: list[str]):
@@ -96,10 +97,12 @@ def step_failed(error: BaseException, what: str) -> StepFailedError:
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else "?"
     hint = "fix the model, its input or the step function"
     if type(error).__module__.startswith("torch._subclasses"):
-        # Fake tensors carry no values: an op whose output shape depends on them cannot be traced.
+        # Fake tensors carry no values: the trace computes those of the batch and the weights
+        # (Note [A value the step reads is computed for real]), not of the activations.
         hint = (
-            "the step cannot be traced: an op's output depends on the data; run lms.LMS without "
-            "tune (its runtime policy needs no trace) or with a plan made by hand"
+            "the step cannot be traced: an op's output depends on the data, here on values the "
+            "trace does not compute (of activations, or of weights a builder made); run lms.LMS "
+            "without tune (its runtime policy needs no trace) or with a plan made by hand"
         )
     return StepFailedError(
         f"lms: {what} raised {type(error).__name__}: {error} (at {where}); {hint}", where=where

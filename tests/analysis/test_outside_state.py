@@ -10,7 +10,7 @@ import torchvision
 
 import lms
 from lms.analysis import device_spec, trace_step
-from tests.conftest import assert_bitwise, midway_budget
+from tests.conftest import assert_bitwise, midway_budget, recomputing_plan
 
 
 def _student():
@@ -34,21 +34,52 @@ def test_a_scaler_made_lazily_in_the_trace_is_refused_naming_it():
     assert "before tune" in str(caught.value)
 
 
-def test_a_module_caching_a_tensor_is_refused_naming_it():
-    class Cache(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
+class Caches(nn.Module):
+    """Keeps its last output for a metric, and fills a list its blocks share, as MONAI's DynUNet
+    does with its deep-supervision heads (Note [A module's cache is put back])."""
 
-        def forward(self, x):
-            out = self.lin(x)
-            self.last = out.detach()  # kept for a metric, say
-            return out
+    def __init__(self):
+        super().__init__()
+        self.heads = [torch.zeros(1)]
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(3))
+        for block in self.blocks:
+            block.heads = self.heads  # one list, which every block holds
 
-    model = Cache()
-    with pytest.raises(lms.StepStateError) as caught:
-        trace_step(model, [torch.randn(4, 8)], device="cpu")
-    assert caught.value.holders == ["Cache.last"]
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+            block.heads[0] = x
+        self.last = x.detach()  # made by the first step
+        return x + self.heads[0]
+
+
+def test_a_modules_cache_is_put_back_and_the_plan_is_bitwise(tmp_path):
+    torch.manual_seed(0)
+    model, x = Caches(), torch.randn(256, 64)
+    original = model.heads[0]
+    trace = trace_step(model, [x], device="cpu", min_offload_bytes=0)
+    assert not hasattr(model, "last")
+    assert model.heads[0] is original and model.blocks[1].heads is model.heads
+
+    def step(m, batch):
+        loss = m(*batch).float().mean()
+        loss.backward()
+        return loss.detach()
+
+    def run(ctx=None):
+        model.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            loss = step(model, [x])
+        return loss, [p.grad.clone() for p in model.parameters()]
+
+    ref = run()
+    offload = lms.LMS(
+        plan=recomputing_plan(trace), tier="disk", spill_dir=str(tmp_path), min_offload_bytes=0
+    )
+    for _ in range(2):
+        assert_bitwise(ref, run(offload))
+    assert offload.stats.offloaded_tensors and not offload.stats.diverged_steps
+    offload.close()
 
 
 def test_a_traced_step_leaves_no_fake_tensor_behind():

@@ -1,0 +1,286 @@
+"""The real values behind a traced step's fake tensors, where a step reads them and they come
+cheap (Note [A value the step reads is computed for real]).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+)
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["Values", "REAL_ELEMENTS"]
+
+# Note: [A value the step reads is computed for real]
+# Fake tensors have shapes, not values, and some steps read values: a loss that keeps the labels
+# it scores (``(labels >= 0).nonzero()``, DeBERTa's), one that checks them (``labels.max() >=
+# vocab_size``) and takes the lengths of masks (``mask.sum(-1)``, a CTC loss's), a padding check
+# over the tokens. Such values come, nearly always, from the batch through a few small ops. So
+# while the step is traced, `Values` keeps a graph of the ops it sees, each op's tensors referred
+# to by the op that made them; the real tensors behind the batch's fake ones, and behind a real
+# model's fake parameters, are its leaves. Where an op raises for want of a value, the ops that
+# lead to its arguments run for real on the CPU, unless they would make more than
+# `REAL_ELEMENTS` elements in all (a value read off the activations, which would run the model
+# itself): the op then raises as it did. The real op gives its result's shape (a fake tensor of
+# it) or its value (``.item()``), as the real step will. A tensor an op wrote in place is known
+# by that op from there on; one whose storage was written through another view is not known any
+# more. A random op draws from the CPU's generator under a fork of it, which is put back. A CTC
+# loss, whose result's shape is set by its target lengths alone, takes zeros for its
+# probabilities (activations) to give that shape.
+
+REAL_ELEMENTS = 1 << 24
+"""The most elements the ops that lead to a value the step reads may make, for it to be had."""
+
+_READS = (DataDependentOutputException, DynamicOutputShapeException)
+_SHAPED_BY_LENGTHS = {torch.ops.aten._ctc_loss.Tensor}
+"""Ops whose result's shape depends on the values of their integer arguments alone (the target
+lengths of a CTC loss), not of their floating-point ones."""
+
+
+class _Node:
+    """One op's call, each tensor among its arguments given as the `_Ref` that made it; or a
+    leaf, a real tensor."""
+
+    __slots__ = ("func", "args", "kwargs", "written", "elements", "done")
+
+    def __init__(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self.written: tuple[tuple[int | str, int | None], ...] = ()  # where its written tensors are
+        self.elements = 0  # of its outputs
+        self.done: tuple[Any, Any] | None = None  # real ((args, kwargs), what it returned)
+
+
+class _Ref:
+    """A tensor: its node's output ``at`` (an index among the flattened outputs), or its argument
+    written in place (``at``: the argument, and the index within it where it is a list)."""
+
+    __slots__ = ("node", "at")
+
+    def __init__(self, node: _Node, at: int | tuple[int | str, int | None]) -> None:
+        self.node, self.at = node, at
+
+
+def _leaf(value: torch.Tensor) -> _Ref:
+    node = _Node(None, (), {})
+    node.done = (((), {}), value)
+    return _Ref(node, 0)
+
+
+_UNKNOWN = object()
+"""A tensor among an op's arguments whose value cannot be had."""
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+"""Per op, the position and name of each argument it writes (in place, or ``out=``)."""
+
+
+def _writes(func: Any) -> tuple[tuple[int, str], ...]:
+    found = _WRITES.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        arguments = schema.arguments if schema is not None else ()
+        found = _WRITES[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    return found
+
+
+class Values:
+    """Follows what each fake tensor of a traced step was made from, and answers an op that
+    needs a value with the real one where it can be had (Note [A value the step reads is
+    computed for real]). The recorder runs each op through `call`."""
+
+    def __init__(self) -> None:
+        self.bound: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> (_Ref, generation)
+        self.generation: dict[int, int] = {}  # storage -> how often it has been written
+
+    def know(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """``fake`` stands for ``real`` (a tensor of the batch, a parameter), where ``real`` has
+        values (not fake itself, nor on the meta device)."""
+        if not isinstance(real, FakeTensor) and not real.is_meta:
+            self.bound[fake] = (_leaf(real), self._generation(fake))
+
+    def _generation(self, tensor: torch.Tensor) -> int:
+        return self.generation.get(tensor.untyped_storage()._cdata, 0)
+
+    def _ref(self, tensor: torch.Tensor) -> Any:
+        if not isinstance(tensor, FakeTensor):
+            return _leaf(tensor)  # a real tensor the step takes from outside
+        bound = self.bound.get(tensor)
+        if bound is None or bound[1] != self._generation(tensor):
+            return _UNKNOWN
+        return bound[0]
+
+    def _refs(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return self._ref(value)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(self._ref(v) if isinstance(v, torch.Tensor) else v for v in value)
+        return value
+
+    def call(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func(*args, **kwargs)``, under fake tensors, or from the real values it needs."""
+        node = _Node(
+            func, tuple(self._refs(a) for a in args), {k: self._refs(v) for k, v in kwargs.items()}
+        )
+        try:
+            out = func(*args, **kwargs)
+        except _READS:
+            real = _real(node, args)
+            if real is None:
+                raise
+            device = _device(args, kwargs)
+            out = tree_map(lambda v: _fake_of(v, device), real)
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        node.elements = sum(v.numel() for v in outs if isinstance(v, torch.Tensor))
+        # what is made of an unknown tensor, or is too large to be made for real, is not known
+        known = node.elements <= REAL_ELEMENTS and all(r is not _UNKNOWN for r in _inputs(node))
+        writes = _writes(func)
+        for index, name in writes:
+            at, value = (index, args[index]) if index < len(args) else (name, kwargs.get(name))
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            for j, tensor in enumerate(items):
+                if isinstance(tensor, torch.Tensor):
+                    key = tensor.untyped_storage()._cdata
+                    self.generation[key] = self.generation.get(key, 0) + 1
+                    where = (at, j if value is not tensor else None)
+                    node.written += (where,)
+                    if known:
+                        self.bound[tensor] = (_Ref(node, where), self.generation[key])
+        if known:
+            for index, value in enumerate(outs):
+                if isinstance(value, torch.Tensor) and all(value is not v for v in args):
+                    self.bound[value] = (_Ref(node, index), self._generation(value))
+        return out
+
+
+def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, FakeTensor):
+                return item.device
+    return None
+
+
+def _real(node: _Node, given: tuple[Any, ...]) -> Any:
+    """``node``'s op run for real on its arguments' real values (``given``, fake); None where
+    they cannot be had."""
+    if not _affordable(node):
+        if node.func not in _SHAPED_BY_LENGTHS:
+            return None
+        # its floating-point arguments do not shape its result: zeros in their place
+        with _real_ops():
+            args = tuple(
+                _leaf(torch.zeros(fake.shape, dtype=fake.dtype))
+                if isinstance(fake, torch.Tensor) and fake.is_floating_point()
+                else ref
+                for fake, ref in zip(given, node.args, strict=True)
+            )
+        node = _Node(node.func, args, node.kwargs)
+        if not _affordable(node):
+            return None
+    with _real_ops():
+        _run(node)
+    assert node.done is not None
+    return node.done[1]
+
+
+def _inputs(node: _Node) -> Iterator[Any]:
+    """The refs among ``node``'s arguments (`_UNKNOWN` for a tensor not known)."""
+    for value in (*node.args, *node.kwargs.values()):
+        if isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, _Ref) or v is _UNKNOWN)
+        elif isinstance(value, _Ref) or value is _UNKNOWN:
+            yield value
+
+
+def _affordable(root: _Node) -> bool:
+    """Whether every tensor ``root`` needs is known, and the ops still to run make at most
+    `REAL_ELEMENTS` elements."""
+    seen: set[int] = set()
+    stack = [root]
+    total = 0
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or node.done is not None:
+            continue
+        seen.add(id(node))
+        total += node.elements
+        if total > REAL_ELEMENTS:
+            return False
+        for ref in _inputs(node):
+            if ref is _UNKNOWN:
+                return False
+            stack.append(ref.node)
+    return True
+
+
+def _run(root: _Node) -> None:
+    """Run ``root``, and first the ops that lead to it, for real."""
+    stack: list[tuple[_Node, bool]] = [(root, False)]
+    while stack:
+        node, ready = stack.pop()
+        if node.done is not None:
+            continue
+        if not ready:
+            stack.append((node, True))
+            stack.extend((r.node, False) for r in _inputs(node))
+            continue
+        written = {where[0] for where in node.written}
+        args = tuple(_real_value(v, i in written) for i, v in enumerate(node.args))
+        kwargs = {k: _real_value(v, k in written) for k, v in node.kwargs.items()}
+        node.done = ((args, kwargs), node.func(*args, **kwargs))
+
+
+def _real_value(value: Any, copy: bool) -> Any:
+    """An argument with each tensor's real value (those of the ops it takes them from done): a
+    copy where the op writes it; a device, the CPU."""
+    if isinstance(value, _Ref):
+        real = _of(value)
+        return real.clone() if copy else real
+    if isinstance(value, (list, tuple)):
+        return type(value)(_real_value(v, copy) for v in value)
+    if isinstance(value, torch.device):
+        return torch.device("cpu")
+    return value
+
+
+def _of(ref: _Ref) -> Any:
+    assert ref.node.done is not None
+    (args, kwargs), out = ref.node.done
+    if isinstance(ref.at, int):
+        return out[ref.at] if isinstance(out, (list, tuple)) else out
+    at, j = ref.at
+    value = args[at] if isinstance(at, int) else kwargs[at]
+    return value if j is None else value[j]
+
+
+@contextlib.contextmanager
+def _real_ops() -> Iterator[None]:
+    """Ops run for real, on the CPU, outside the trace's modes, autograd and autocast, their
+    random draws put back."""
+    with (
+        _disable_current_modes(),
+        torch.no_grad(),
+        torch.autocast("cpu", enabled=False),
+        torch.random.fork_rng(devices=[]),
+        torch.device("cpu"),
+    ):
+        yield
+
+
+def _fake_of(value: Any, device: torch.device | None) -> Any:
+    """A fake tensor of ``value``'s shape on the device of the op's tensors; a number as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)

@@ -33,9 +33,11 @@ __all__ = ["Values", "REAL_ELEMENTS"]
 # itself): the op then raises as it did. The real op gives its result's shape (a fake tensor of
 # it) or its value (``.item()``), as the real step will. A tensor an op wrote in place is known
 # by that op from there on; one whose storage was written through another view is not known any
-# more. A random op draws from the CPU's generator under a fork of it, which is put back. A CTC
-# loss, whose result's shape is set by its target lengths alone, takes zeros for its
-# probabilities (activations) to give that shape.
+# more. A random op draws from the CPU's generator under a fork of it, which is put back: a step
+# that draws otherwise (a layer dropped at random) diverges from its plan, as any other would.
+# An op made of a tensor not known, or larger than that limit, is not known itself. A CTC loss,
+# whose result's shape is set by its target lengths alone, takes zeros for its probabilities
+# (activations) to give that shape.
 
 REAL_ELEMENTS = 1 << 24
 """The most elements the ops that lead to a value the step reads may make, for it to be had."""

@@ -5,6 +5,7 @@ cheap (Note [A value the step reads is computed for real]).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,8 @@ from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["Values", "REAL_ELEMENTS"]
+
+log = logging.getLogger("lms.analysis")
 
 # Note: [A value the step reads is computed for real]
 # Fake tensors have shapes, not values, and some steps read values: a loss that keeps the labels
@@ -72,6 +75,7 @@ class _Ref:
 
 
 def _leaf(value: torch.Tensor) -> _Ref:
+    """A real tensor (its values on the CPU when first used)."""
     node = _Node(None, (), {})
     node.done = (((), {}), value)
     return _Ref(node, 0)
@@ -191,8 +195,12 @@ def _real(node: _Node, given: tuple[Any, ...]) -> Any:
         node = _Node(node.func, args, node.kwargs)
         if not _affordable(node):
             return None
-    with _real_ops():
-        _run(node)
+    try:
+        with _real_ops():
+            _run(node)
+    except Exception as error:  # an op that runs on the device only, say: as if not known
+        log.debug("[LMS] the trace could not run %s for real: %s", node.func, error)
+        return None
     assert node.done is not None
     return node.done[1]
 
@@ -260,6 +268,9 @@ def _real_value(value: Any, copy: bool) -> Any:
 def _of(ref: _Ref) -> Any:
     assert ref.node.done is not None
     (args, kwargs), out = ref.node.done
+    if ref.node.func is None and out.device.type != "cpu":  # a leaf on a device
+        out = out.cpu()
+        ref.node.done = ((args, kwargs), out)
     if isinstance(ref.at, int):
         return out[ref.at] if isinstance(out, (list, tuple)) else out
     at, j = ref.at

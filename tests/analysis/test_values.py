@@ -163,3 +163,12 @@ def test_a_random_value_read_puts_the_generator_back():
     trace = trace_step(model, [x], device="cpu")
     assert any(op.name == "aten.index.Tensor" for op in trace.ops)
     assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_ops_that_fail_for_real_leave_the_value_unknown(monkeypatch):
+    def fails(node):  # as an op that runs on the device alone would on the CPU
+        raise RuntimeError("not on this device")
+
+    monkeypatch.setattr(values_module, "_run", fails)
+    with pytest.raises(lms.StepFailedError, match="depends on the data"):
+        trace_step(KeptLabels(), _labels_batch(), _step, device="cpu")

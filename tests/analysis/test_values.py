@@ -64,9 +64,9 @@ def _run(model, batch, offload=None):
     return loss, [p.grad.clone() for p in model.parameters()]
 
 
-def _labels_batch():
+def _labels_batch(rows=64):
     torch.manual_seed(0)
-    return [torch.randn(64, 16), torch.tensor([0, -1, 4, 2, -1, 3, 1, -100] * 8)]
+    return [torch.randn(rows, 16), torch.tensor([0, -1, 4, 2, -1, 3, 1, -100] * (rows // 8))]
 
 
 def _ctc_batch():

@@ -610,3 +610,20 @@ def test_a_3d_unet_in_slabs_is_followed_bitwise_and_peaks_under_its_budget_on_cu
         assert_bitwise(expected, got)
         assert torch.cuda.max_memory_allocated() <= budget + foreign
     offload.close()
+
+
+def test_a_step_reading_its_labels_on_cuda_is_tuned_and_bitwise():
+    """Note [A value the step reads is computed for real], with the batch and weights on a card."""
+    from tests.analysis.test_values import KeptLabels, _labels_batch, _run, _step
+
+    torch.manual_seed(0)
+    model = KeptLabels().cuda()
+    batch = [t.cuda() for t in _labels_batch(rows=1 << 16)]
+    ref = _run(model, batch)
+    offload = lms.LMS(budget="70%", min_offload_bytes=0)
+    plan = offload.tune(model, batch, _step)
+    assert plan.offload or plan.recompute
+    for _ in range(2):
+        assert_bitwise(ref, _run(model, batch, offload))
+    assert offload.stats.diverged_steps == 0
+    offload.close()

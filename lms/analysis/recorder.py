@@ -572,6 +572,9 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # convolution in the channels-last layout with a kernel wider than 3 (EfficientNet's and
 # MobileNetV3's 5x5, ConvNeXt's 7x7) makes its weight gradient with each channel's single input and
 # output counted up to a whole block, hundreds of times its own bytes (`_padded_depthwise`). A
+# 3D convolution's single-precision weight gradient over an input of one or two frames, at a batch
+# of two or more (a video ResNet's last stage at 16 frames), takes 4.2 to 4.8 times its weights for
+# each thread (`_shallow_weight_grad`), where one of more frames takes about its weights. A
 # dilated convolution whose kernel spans more than its input takes more than estimated. The
 # simulator counts scratch for the "cpu" spec only (`DeviceSpec.cpu_scratch`); other ops' scratch
 # is small. The sizes measured per kernel, and how close the estimates came:
@@ -618,11 +621,13 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
     relayout = made if backward and not grad_out.is_contiguous(memory_format=runs_in) else 0
     if last and not given.is_contiguous(memory_format=layout):
         relayout += given.numel() * given.element_size()
+    shallow = _shallow_weight_grad(given, weight, args) if backward and not transposed else 0
     if last:
         if backward:
             wide = 2 * made if strided and not transposed and args[10][0] else 0
             weights += _padded_depthwise(given, weight, groups, args[10][1])
-            return weights + relayout + (max(wide, widened) if strided or transposed else widened)
+            rest = max(wide, widened) if strided or transposed else widened
+            return max(weights + relayout + rest, shallow)
         return weights + relayout + (made if transposed else 0)
     pad = _blocked(given), _blocked(grad_out)
     pointwise = math.prod(weight.shape[2:]) == 1
@@ -638,10 +643,10 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
         return weights + max(source + pad[1] - made, pad[1])
     input_grad = pad[0] if args[10][0] else 0
     if strided or transposed:
-        return weights + relayout + pad[1] + pad[0] + max(input_grad, widened)
+        return max(weights + relayout + pad[1] + pad[0] + max(input_grad, widened), shallow)
     if widened and not args[10][0] and pointwise:
         widened = 0  # a pointwise convolution's weight gradient alone: none
-    return weights + relayout + pad[1] + max(pad[0], input_grad) + widened
+    return max(weights + relayout + pad[1] + max(pad[0], input_grad) + widened, shallow)
 
 
 def _padded_depthwise(
@@ -658,6 +663,23 @@ def _padded_depthwise(
         return 0
     taps = math.prod(weight.shape[2:])
     return groups * _CHANNEL_BLOCK * _CHANNEL_BLOCK * taps * weight.element_size()
+
+
+_SHALLOW_DEPTH = 2
+_SHALLOW_PER_THREAD = 4.8
+
+
+def _shallow_weight_grad(given: torch.Tensor, weight: torch.Tensor, args: Any) -> int:
+    """Bytes oneDNN takes for the single-precision weight gradient of a 3D convolution over an
+    input of at most `_SHALLOW_DEPTH` frames at a batch of two or more (a video network's last
+    stage): `_SHALLOW_PER_THREAD` times its weights for each thread of the process (Note
+    [Convolution scratch on the CPU]); 0 otherwise."""
+    if given.dim() != 5 or given.element_size() != 4 or not args[10][1]:
+        return 0
+    if given.size(0) < 2 or given.size(2) > _SHALLOW_DEPTH:
+        return 0
+    per_thread = _SHALLOW_PER_THREAD * weight.numel() * weight.element_size()
+    return int(per_thread * torch.get_num_threads())
 
 
 def _widened(given: torch.Tensor, grad_out: torch.Tensor, args: Any, strided: bool) -> int:

@@ -323,6 +323,37 @@ def test_wide_depthwise_kernels_weight_gradients_are_simulated():
     assert steady > 10 * 2**20 and abs(steady / result["simulated"] - 1) <= 0.05, result
 
 
+SHALLOW = COMMON + textwrap.dedent(
+    """
+    import contextlib
+    # A video network's last stage: 3D convolutions over two frames at batch 2, whose weight
+    # gradients oneDNN makes in several partial copies (Note [Convolution scratch on the CPU])
+    torch.set_num_threads(2)
+    c = 256
+    model = torch.nn.Sequential(
+        torch.nn.Conv3d(c, c, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv3d(c, c, 3, padding=1)
+    )
+    x = torch.randn(2, c, 2, 7, 7)
+    trace = trace_step(model, [x], step, device="cpu")
+    before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
+    spec = local_device_spec(torch.device("cpu"))
+    print(json.dumps({"measured": measured_growth(model, x, contextlib.nullcontext(), steps=4),
+                      "simulated": simulate(trace, None, spec).peak_tensor_bytes - before,
+                      "weights": trace.param_bytes}))
+    """
+)
+
+
+@pytest.mark.skipif(not _cpu_has("avx512f"), reason="measured with AVX-512's kernels")
+def test_shallow_3d_weight_gradients_are_simulated():
+    result = script_json(SHALLOW)
+    steady = max(result["measured"][1:])
+    # the weight gradient's copies (8 times the layer's 7 MiB of weights on two threads) are
+    # the step's peak: a simulation without them is a quarter of it
+    assert steady > 2 * result["weights"], result
+    assert steady <= result["simulated"] <= 1.25 * steady, result
+
+
 # The bfloat16 scratch estimates (Note [Convolution scratch on the CPU]) were measured on a CPU
 # with AVX-512 BF16 and no AMX. With AMX, oneDNN's bfloat16 convolution backward takes other
 # scratch: a 32->16 channel 3x3x3 backward at 48^3 took 5.5 MiB more than estimated, a 64->32

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis.clock import Clock, allowance
 from lms.core import costs, policy
@@ -552,15 +553,29 @@ def _junction_roles(relieved: dict[int, JunctionRecord]) -> dict[int, list[tuple
     return roles
 
 
+_LAST_READS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Per trace, `_last_read` of each partial it was asked for: a scan of the ops between the
+partial and its sum, which every simulation of a plan that relieves the junction asks for again
+(a recurrent scan's gradients are summed over thousands of ops)."""
+
+
 def _last_read(trace: Trace, junction: JunctionRecord, k: int) -> int:
     """The last op before the sum that reads the k-th partial, other than the engine's sums (the
     op that made it if none)."""
-    first = junction.arrive_ops[k]
-    last = first - 1
-    summing = set(junction.arrive_ops[1:])
-    for index in range(first, junction.join_op):
-        if index not in summing and junction.grads[k] in trace.ops[index].inputs:
-            last = index
+    known = _LAST_READS.get(trace)
+    if known is None:
+        known = _LAST_READS[trace] = {}
+    key = (junction.join_op, junction.arrive_ops[k], junction.grads[k])
+    last = known.get(key)
+    if last is None:
+        first = junction.arrive_ops[k]
+        last = first - 1
+        summing = set(junction.arrive_ops[1:])
+        grad = junction.grads[k]
+        for index in range(first, junction.join_op):
+            if index not in summing and grad in trace.ops[index].inputs:
+                last = index
+        known[key] = last
     return last
 
 

@@ -139,6 +139,8 @@ class Values:
         node = _Node(
             func, tuple(self._refs(a) for a in args), {k: self._refs(v) for k, v in kwargs.items()}
         )
+        written = list(_written(func, args, kwargs))
+        node.written = tuple(where for where, _ in written)  # copied where run for real
         try:
             out = func(*args, **kwargs)
         except _READS:
@@ -151,23 +153,31 @@ class Values:
         node.elements = sum(v.numel() for v in outs if isinstance(v, torch.Tensor))
         # what is made of an unknown tensor, or is too large to be made for real, is not known
         known = node.elements <= REAL_ELEMENTS and all(r is not _UNKNOWN for r in _inputs(node))
-        writes = _writes(func)
-        for index, name in writes:
-            at, value = (index, args[index]) if index < len(args) else (name, kwargs.get(name))
-            items = value if isinstance(value, (list, tuple)) else (value,)
-            for j, tensor in enumerate(items):
-                if isinstance(tensor, torch.Tensor):
-                    key = tensor.untyped_storage()._cdata
-                    self.generation[key] = self.generation.get(key, 0) + 1
-                    where = (at, j if value is not tensor else None)
-                    node.written += (where,)
-                    if known:
-                        self.bound[tensor] = (_Ref(node, where), self.generation[key])
+        for where, tensor in written:
+            key = tensor.untyped_storage()._cdata
+            self.generation[key] = self.generation.get(key, 0) + 1
+            if known:
+                self.bound[tensor] = (_Ref(node, where), self.generation[key])
         if known:
             for index, value in enumerate(outs):
                 if isinstance(value, torch.Tensor) and all(value is not v for v in args):
                     self.bound[value] = (_Ref(node, index), self._generation(value))
         return out
+
+
+def _written(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Iterator[tuple[tuple[int | str, int | None], torch.Tensor]]:
+    """Each tensor ``func`` writes (in place, or ``out=``), with where it is among the arguments:
+    the argument, and its index within it where it is a list."""
+    for index, name in _writes(func):
+        at, value = (index, args[index]) if index < len(args) else (name, kwargs.get(name))
+        if isinstance(value, torch.Tensor):
+            yield (at, None), value
+        elif isinstance(value, (list, tuple)):
+            for j, tensor in enumerate(value):
+                if isinstance(tensor, torch.Tensor):
+                    yield (at, j), tensor
 
 
 def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device | None:

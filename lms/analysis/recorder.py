@@ -19,6 +19,7 @@ from lms.analysis.values import Values
 from lms.core import junctions
 from lms.core.errors import UnplannableStepError
 from lms.core.keep import offload_blocked, without_node
+from lms.core.recipes import declared_writes
 from lms.core.records import (
     JunctionRecord,
     OpCall,
@@ -208,7 +209,7 @@ class Recorder(TorchDispatchMode):
             sid, new = self.storage_id(value)
             if new and workspace is not None and value is workspace[0]:
                 self.nbytes[sid] = workspace[1]
-            if new or sid in inputs and _writes_inplace(func):
+            if new or sid in inputs and declared_writes(func):
                 outputs[sid] = self.nbytes[sid]
             if phase == "forward" and id(value) not in given:
                 self.held.append((sid, weakref.ref(value, self._dropped(sid))))
@@ -752,11 +753,6 @@ def _sequence_nr(node: Any) -> int:
 def _nodes(value: Any) -> list[Any]:
     """The autograd nodes that made the tensors in ``value``."""
     return [t.grad_fn for t in _tensors_in(value) if t.grad_fn is not None]
-
-
-def _writes_inplace(func: Any) -> bool:
-    schema = func._schema
-    return any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments)
 
 
 # Note: [An op moves its tensors, not their storages]

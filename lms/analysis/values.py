@@ -19,6 +19,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lms.core.recipes import written_arguments
+
 __all__ = ["Values", "REAL_ELEMENTS"]
 
 log = logging.getLogger("lms.analysis")
@@ -83,22 +85,6 @@ def _leaf(value: torch.Tensor) -> _Ref:
 
 _UNKNOWN = object()
 """A tensor among an op's arguments whose value cannot be had."""
-
-_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
-"""Per op, the position and name of each argument it writes (in place, or ``out=``)."""
-
-
-def _writes(func: Any) -> tuple[tuple[int, str], ...]:
-    found = _WRITES.get(func)
-    if found is None:
-        schema = getattr(func, "_schema", None)
-        arguments = schema.arguments if schema is not None else ()
-        found = _WRITES[func] = tuple(
-            (i, a.name)
-            for i, a in enumerate(arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-    return found
 
 
 class Values:
@@ -168,9 +154,9 @@ class Values:
 def _written(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Iterator[tuple[tuple[int | str, int | None], torch.Tensor]]:
-    """Each tensor ``func`` writes (in place, or ``out=``), with where it is among the arguments:
-    the argument, and its index within it where it is a list."""
-    for index, name in _writes(func):
+    """Each tensor ``func`` writes (in place, ``out=``, a batch norm's running statistics), with
+    where it is among the arguments: the argument, and its index within it where it is a list."""
+    for index, name in written_arguments(func):
         at, value = (index, args[index]) if index < len(args) else (name, kwargs.get(name))
         if isinstance(value, torch.Tensor):
             yield (at, None), value

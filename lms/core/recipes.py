@@ -18,10 +18,52 @@ then serves its own first use too. Those inputs are the recipe's ``chainable`` o
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from lms.core.records import Trace
 
-__all__ = ["RECOMPUTABLE_OPS", "Recipe", "recipes"]
+__all__ = ["RECOMPUTABLE_OPS", "Recipe", "recipes", "declared_writes", "written_arguments"]
+
+_UNDECLARED_WRITES = {
+    # Note: [Running statistics are written]
+    # These kernels update the running mean and variance in place in training mode, but their
+    # schemas do not mark those arguments as written. A replay must write copies of them, not
+    # the buffers themselves, or each replay applies the momentum again.
+    "aten.native_batch_norm.default": (3, 4),
+    "aten.cudnn_batch_norm.default": (3, 4),
+}
+_DECLARED: dict[Any, tuple[tuple[int, str], ...]] = {}
+_WRITTEN: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def declared_writes(func: Any) -> tuple[tuple[int, str], ...]:
+    """The position and name of each argument an aten op's schema marks as written (in place,
+    or ``out=``); looked up once a process."""
+    found = _DECLARED.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        arguments = schema.arguments if schema is not None else ()
+        found = _DECLARED[func] = tuple(
+            (i, a.name)
+            for i, a in enumerate(arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+    return found
+
+
+def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """`declared_writes`, and the running statistics a batch norm writes though its schema does
+    not say so (Note [Running statistics are written])."""
+    found = _WRITTEN.get(func)
+    if found is None:
+        found = declared_writes(func)
+        undeclared = _UNDECLARED_WRITES.get(str(func), ())
+        if undeclared:
+            names = [a.name for a in func._schema.arguments]
+            found += tuple((i, names[i]) for i in undeclared if (i, names[i]) not in found)
+        _WRITTEN[func] = found
+    return found
+
 
 _MAX_DEPTH = 3
 """How many storages deep a replay may remake storages that autograd did not save."""

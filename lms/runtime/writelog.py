@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lms.core.junctions import in_backward
-from lms.core.recipes import RECOMPUTABLE_OPS
+from lms.core.recipes import RECOMPUTABLE_OPS, written_arguments
 
 __all__ = ["WriteLog", "Call", "Recipe", "Slot"]
 
@@ -103,25 +103,6 @@ class Recipe:
     """Of the bytes forward made, where the first replay is to be checked against them."""
 
 
-_UNDECLARED_WRITES = {
-    # Note: [Running statistics are written]
-    # These kernels update the running mean and variance in place in training mode, but their
-    # schemas do not mark those arguments as written. A replay must write copies of them, not
-    # the buffers themselves, or each replay applies the momentum again.
-    "aten.native_batch_norm.default": (3, 4),
-    "aten.cudnn_batch_norm.default": (3, 4),
-}
-
-
-def _written_positions(func: Any, num_args: int) -> set[int]:
-    declared = {
-        i
-        for i, arg in enumerate(func._schema.arguments[:num_args])
-        if arg.alias_info is not None and arg.alias_info.is_write
-    }
-    return declared | {i for i in _UNDECLARED_WRITES.get(str(func), ()) if i < num_args}
-
-
 # Note: [The write log's own cost]
 # The log sees every op of the step, so what it spends a call the step spends too. A call's shape
 # (which arguments are lists, and how long) gives the same leaves in a loop and the same spec from a
@@ -143,7 +124,8 @@ def _facts(func: Any, num_args: int) -> tuple[bool, frozenset[int]]:
     known = _FACTS.get(key)
     if known is None:
         recomputable = str(func) in RECOMPUTABLE_OPS
-        known = _FACTS[key] = recomputable, frozenset(_written_positions(func, num_args))
+        written = frozenset(i for i, _ in written_arguments(func) if i < num_args)
+        known = _FACTS[key] = recomputable, written
     return known
 
 

@@ -10,7 +10,7 @@ import torchvision
 
 import lms
 from lms.analysis import device_spec, trace_step
-from tests.conftest import assert_bitwise, midway_budget, recomputing_plan
+from tests.conftest import assert_bitwise, midway_budget, recomputing_plan, run_step
 
 
 def _student():
@@ -61,23 +61,15 @@ def test_a_modules_cache_is_put_back_and_the_plan_is_bitwise(tmp_path):
     assert not hasattr(model, "last")
     assert model.heads[0] is original and model.blocks[1].heads is model.heads
 
-    def step(m, batch):
-        loss = m(*batch).float().mean()
-        loss.backward()
-        return loss.detach()
+    def mean(out):  # the loss the trace took (`lms.analysis.trace.default_step`)
+        return out.float().mean()
 
-    def run(ctx=None):
-        model.zero_grad(set_to_none=True)
-        with ctx if ctx is not None else contextlib.nullcontext():
-            loss = step(model, [x])
-        return loss, [p.grad.clone() for p in model.parameters()]
-
-    ref = run()
+    ref = run_step(model, [x], loss_fn=mean)
     offload = lms.LMS(
         plan=recomputing_plan(trace), tier="disk", spill_dir=str(tmp_path), min_offload_bytes=0
     )
     for _ in range(2):
-        assert_bitwise(ref, run(offload))
+        assert_bitwise(ref, run_step(model, [x], offload, loss_fn=mean))
     assert offload.stats.offloaded_tensors and not offload.stats.diverged_steps
     offload.close()
 

@@ -1,8 +1,6 @@
 """A traced step that reads values: of its labels, its masks, its lengths (Note [A value the step
 reads is computed for real])."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn as nn
@@ -14,7 +12,7 @@ import lms
 import lms.analysis.values as values_module
 from lms.analysis import trace_step
 from lms.analysis.values import Values
-from tests.conftest import assert_bitwise, recomputing_plan
+from tests.conftest import assert_bitwise, recomputing_plan, run_step
 
 
 class KeptLabels(nn.Module):
@@ -58,10 +56,8 @@ def _step(model, batch):
 
 
 def _run(model, batch, offload=None):
-    model.zero_grad(set_to_none=True)
-    with offload if offload is not None else contextlib.nullcontext():
-        loss = _step(model, batch)
-    return loss, [p.grad.clone() for p in model.parameters()]
+    """The step, plainly or under ``offload``: its loss and gradients."""
+    return run_step(model, batch, offload, loss_fn=lambda loss: loss)
 
 
 def _labels_batch(rows=64):

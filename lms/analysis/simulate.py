@@ -281,6 +281,9 @@ class _Residency:
         moved = {clock.storage_of[i]: i for i in clock.offload}
         remade = {entries[i][0]: i for i in clock.recompute}
         roles = _junction_roles(clock.relieved)
+        self.last_reads = _LAST_READS.get(clock.trace)
+        if self.last_reads is None:
+            self.last_reads = _LAST_READS[clock.trace] = {}
         for ordinal, junction in clock.relieved.items():
             for k, size in enumerate(junction.sizes[: junction.taken]):
                 span = (clock.taken[ordinal, k][0], clock.rejoined[ordinal][1])
@@ -414,7 +417,7 @@ class _Residency:
             elif k >= junction.taken:  # the last waits where the engine sums
                 self._add(record, begin, max(clock.rejoined[ordinal][1], finish))
             elif k >= 0:  # on the device until copied out and read
-                read = clock.op_end(_last_read(clock.trace, junction, k))
+                read = clock.op_end(_last_read(clock.trace, self.last_reads, junction, k))
                 self._add(record, begin, max(clock.taken[ordinal, k][1], read))
 
     def _remade(self, record: StorageRecord, ordinal: int) -> None:
@@ -559,12 +562,11 @@ partial and its sum, which every simulation of a plan that relieves the junction
 (a recurrent scan's gradients are summed over thousands of ops)."""
 
 
-def _last_read(trace: Trace, junction: JunctionRecord, k: int) -> int:
+def _last_read(
+    trace: Trace, known: dict[tuple[int, int, int], int], junction: JunctionRecord, k: int
+) -> int:
     """The last op before the sum that reads the k-th partial, other than the engine's sums (the
-    op that made it if none)."""
-    known = _LAST_READS.get(trace)
-    if known is None:
-        known = _LAST_READS[trace] = {}
+    op that made it if none); ``known``: those found in ``trace`` before (`_LAST_READS`)."""
     key = (junction.join_op, junction.arrive_ops[k], junction.grads[k])
     last = known.get(key)
     if last is None:

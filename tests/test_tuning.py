@@ -231,3 +231,75 @@ def test_a_budget_given_as_a_share_of_the_peak_is_set_by_tune(spill_dir, tmp_pat
         step(model, batch)
     assert offload.stats.offloaded_tensors == len(plan.offload)
     offload.close()
+
+
+def _sequence_model():
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(8)]
+    return torch.nn.Sequential(*layers)
+
+
+def _sequence_step(model, batch):
+    loss = model(batch["tokens"]).square().mean()
+    loss.backward()
+    return loss
+
+
+def _tokens(length, seed=0):
+    return {"tokens": torch.randn(4, length, 64, generator=torch.Generator().manual_seed(seed))}
+
+
+def test_each_batch_shape_gets_a_plan_of_its_own(spill_dir, tmp_path, monkeypatch):
+    """Batches of two sequence lengths: each length is traced and planned once, within the bytes
+    the first batch's share set, and each step follows its own length's plan bit for bit; a
+    length tuned before takes its plan back without tracing (Note [A plan for each shape of
+    batch])."""
+    import lms
+    import lms.orchestration.session as session
+    from tests.conftest import assert_bitwise, run_step
+
+    tuned = []
+    real = session.tune_step
+    monkeypatch.setattr(session, "tune_step", lambda *a, **k: tuned.append(a[1]) or real(*a, **k))
+    model = _sequence_model()
+    offload = lms.LMS(budget="70%", tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+    plans = {}
+    for length in (512, 640, 512, 640):
+        batch = _tokens(length, seed=length)
+        plan = offload.tune(model, batch, _sequence_step, cache_dir=str(tmp_path))
+        assert plan is not None and plan is offload.plan
+        assert plans.setdefault(length, plan) is plan  # the same plan for the same length
+        assert plan.budget_bytes == offload.config.budget_bytes  # the first share, in bytes
+        plain = run_step(model, [batch["tokens"]], loss_fn=lambda out: out.square().mean())
+        got = run_step(model, [batch["tokens"]], offload, loss_fn=lambda out: out.square().mean())
+        assert_bitwise(plain, got)
+    assert [batch["tokens"].shape[1] for batch in tuned] == [512, 640]  # traced once each
+    assert plans[512] is not plans[640] and plans[640].offload != plans[512].offload
+    assert offload.stats.diverged_steps == 0  # each step followed its own length's plan
+    offload.close()
+
+
+def test_a_later_shape_that_no_plan_fits_follows_the_budgets_policy(spill_dir, tmp_path, caplog):
+    """A first batch sets the budget; a much longer one that no plan fits within it is not
+    refused mid-run: it warns, and its step follows the budget's own policy, which holds the
+    saved tensors within that budget (the bytes the share set at the first tune)."""
+    import lms
+    from tests.conftest import assert_bitwise, run_step
+
+    model = _sequence_model()
+    offload = lms.LMS(budget="60%", tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+    first = offload.tune(model, _tokens(256), _sequence_step, cache_dir=str(tmp_path))
+    assert first is not None
+    longer = _tokens(2048)
+    with caplog.at_level("WARNING", logger="lms"):
+        assert offload.tune(model, longer, _sequence_step, cache_dir=str(tmp_path)) is None
+    assert "steps of this shape follow the budget's own policy" in caplog.text
+    assert offload.plan is None
+    loss = lambda out: out.square().mean()  # noqa: E731
+    plain = run_step(model, [longer["tokens"]], loss_fn=loss)
+    assert_bitwise(plain, run_step(model, [longer["tokens"]], offload, loss_fn=loss))
+    assert offload.stats.offloaded_tensors > 0
+    assert offload.stats.peak_resident_saved_bytes <= first.budget_bytes
+    # the first length takes its plan back
+    assert offload.tune(model, _tokens(256), _sequence_step, cache_dir=str(tmp_path)) is first
+    offload.close()

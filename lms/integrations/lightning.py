@@ -3,8 +3,9 @@
     trainer = lightning.pytorch.Trainer(callbacks=[LMSCallback(budget="30GiB")])
 
 Each training batch (forward, loss, backward) runs in one `lms.LMS` block. With ``tune=True`` the
-first batch is traced with fake tensors and planned before it trains, so a budget that no plan fits
-raises `lms.PlanInfeasibleError` before any weight changes. Lightning is imported here only.
+first batch of each shape is traced with fake tensors and planned before it trains (Note [A plan
+for each shape of batch]), so a budget that no plan fits raises `lms.PlanInfeasibleError` before
+any weight changes. Lightning is imported here only.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class LMSCallback(Callback):
     """Offload saved activations of every training batch, following a tuned plan.
 
     Args:
-        tune: trace and plan the first training batch before it runs (automatic optimization
-            only; with manual optimization the runtime's own policy decides).
+        tune: trace and plan the first training batch of each shape before it runs (automatic
+            optimization only; with manual optimization the runtime's own policy decides).
         cache_dir: where tuned plans are cached (default ``$LMS_CACHE_DIR``, else
             ``~/.cache/lms/plans``).
         plan: follow this plan instead of tuning one.
@@ -82,7 +83,7 @@ class LMSCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self.lms is not None, "on_fit_start() makes the LMS object"
-        if self.tune and self.lms.plan is None:
+        if self.tune:  # each batch shape is tuned once (Note [A plan for each shape of batch])
             self._tune(trainer, pl_module, batch, batch_idx)
         self.lms.__enter__()
         self._open = True
@@ -127,6 +128,7 @@ class LMSCallback(Callback):
                 "[LMS] manual optimization: not tuned; the runtime's own policy decides "
                 "what to offload"
             )
+            self.tune = False
             return
 
         def step(module: torch.nn.Module, fake_batch: Any) -> torch.Tensor:

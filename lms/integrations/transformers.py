@@ -2,8 +2,9 @@
 
 ``offload_trainer(trainer, budget=...)`` runs each micro-batch's forward, loss and backward
 (`Trainer.training_step`) in one `lms.LMS` block, so gradient accumulation gets one block per
-micro-batch as the runtime expects. With ``tune=True`` the first micro-batch is traced under fake
-tensors and planned before it runs, so a budget no plan fits fails before any weight changes.
+micro-batch as the runtime expects. With ``tune=True`` the first micro-batch of each shape is
+traced under fake tensors and planned before it runs (Note [A plan for each shape of batch]), so
+a budget no plan fits fails before any weight changes.
 
 Nothing of `transformers` is imported here: the trainer is taken as it is, and only its
 ``training_step`` is wrapped, inside a ``with`` block, so an exception mid-step leaves no hooks
@@ -37,9 +38,9 @@ def offload_trainer(
         trainer: a `transformers.Trainer` (or a subclass); its ``training_step`` is wrapped in
             place. Wrapping one trainer twice is refused.
         budget: device memory for each micro-batch's step (``"30GiB"``), as for `lms.LMS`.
-        tune: trace and plan the first micro-batch before it runs; set False for models that
-            fake tensors cannot trace (sharded parameters), whose runtime policy then keeps the
-            newest saved tensors within the budget.
+        tune: trace and plan the first micro-batch of each shape before it runs; set False for
+            models that fake tensors cannot trace (sharded parameters), whose runtime policy
+            then keeps the newest saved tensors within the budget.
         cache_dir: where tuned plans are cached (default ``$LMS_CACHE_DIR``, else
             ``~/.cache/lms/plans``).
         **settings: any other `lms.LMS` setting (``tier``, ``min_offload_bytes``, ...).
@@ -59,14 +60,10 @@ def offload_trainer(
     if getattr(step, "__lms__", None) is not None:
         raise ValueError("lms: this trainer's steps run under LMS already; wrap it once")
     offload = LMS(budget=budget, **settings)
-    tuned = not tune
 
     @functools.wraps(step)
     def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        nonlocal tuned
-        if not tuned:
-            tuned = True  # the first micro-batch only; a refused budget raises before it runs
-            log.info("[LMS] Tuning the first training micro-batch before it runs")
+        if tune:  # each batch shape once (Note [A plan for each shape of batch])
             offload.tune(
                 model,
                 inputs,

@@ -3,15 +3,58 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
+from typing_extensions import Unpack
 
+from lms.core.config import LMSConfig, LMSSettings
+from lms.core.errors import PlanInfeasibleError
 from lms.core.plan import Plan
 from lms.orchestration.tuning import tune_step
 from lms.runtime.session import Session
 
-__all__ = ["LMS"]
+__all__ = ["LMS", "SHAPES_KEPT"]
+
+log = logging.getLogger("lms")
+
+SHAPES_KEPT = 16
+"""Batch shapes whose plans one `LMS` keeps for `LMS.tune` (Note [A plan for each shape of
+batch]); a batch of a further shape is not tuned, and its steps follow the budget's own policy."""
+
+
+# Note: [A plan for each shape of batch]
+# A plan is made for one step's tensors, by their order and size, so a batch of another shape (a
+# language model's batches padded to each batch's longest sequence) leaves it at its first larger
+# save and follows the budget's own policy. `LMS.tune` keeps each plan it makes by the batch's
+# shape: the tensors in it (shape, dtype, device), how they nest, the model, the step function's
+# code and the autocast dtype. A batch of a shape tuned before takes its plan back at once,
+# without tracing; one of a new shape is traced and planned within the same budget in bytes (a
+# share such as ``"60%"`` is of the first batch's peak: the device memory the run may take).
+# Where no plan fits a later shape, its steps follow the budget's own policy, as a step that
+# leaves its plan does: training that ran goes on. The Trainer hook and the Lightning callback
+# call `tune` before each batch. Each plan holds its trace, so `SHAPES_KEPT` of them are kept at
+# most: batches of many lengths are better padded to a few (``pad_to_multiple_of``).
+
+
+def _shape_of(batch: Any) -> Any:
+    """What a trace of ``batch`` depends on: how it nests (mappings, sequences, dataclasses) and
+    each tensor's shape, dtype and device; numbers, strings and flags by value, anything else by
+    its type."""
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape), batch.dtype, batch.device)
+    if isinstance(batch, Mapping):
+        return (type(batch), tuple((key, _shape_of(value)) for key, value in batch.items()))
+    if isinstance(batch, (list, tuple)):
+        return (type(batch), tuple(_shape_of(value) for value in batch))
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = dataclasses.fields(batch)
+        return (type(batch), tuple(_shape_of(getattr(batch, f.name)) for f in fields))
+    if batch is None or isinstance(batch, (bool, int, float, str)):
+        return (type(batch), batch)
+    return type(batch)
 
 
 class LMS(Session):
@@ -39,6 +82,20 @@ class LMS(Session):
         config: the settings (`lms.LMSConfig`).
     """
 
+    def __init__(
+        self,
+        *,
+        config: LMSConfig | None = None,
+        plan: Plan | None = None,
+        model: torch.nn.Module | Iterable[torch.nn.Module] | None = None,
+        **settings: Unpack[LMSSettings],
+    ):
+        super().__init__(config=config, plan=plan, model=model, **settings)
+        self._shapes: dict[tuple[Any, ...], tuple[Plan, Any] | None] = {}
+        """Each plan `tune` made and what it was priced on, by the shape of its batch; None for
+        a shape no plan fits (Note [A plan for each shape of batch])."""
+        self._shapes_said = False
+
     def tune(
         self,
         model: torch.nn.Module,
@@ -47,31 +104,71 @@ class LMS(Session):
         *,
         autocast: torch.dtype | None = None,
         cache_dir: str | None = None,
-    ) -> Plan:
+    ) -> Plan | None:
         """Plan before the first step: trace ``step_fn(model, batch)`` with fake tensors, plan it
         for this device and budget, and follow the plan from then on.
 
+        Call it again before a step whose batch has another shape: each shape gets a plan of its
+        own within the same budget (a share is turned into bytes at the first call), and a shape
+        tuned before takes its plan back without tracing (Note [A plan for each shape of batch]).
+        Where no plan fits a later shape, or `SHAPES_KEPT` shapes have plans already, it returns
+        None, warns, and that shape's steps follow the budget's own policy.
+
         Raises:
-            PlanInfeasibleError: before any training, when no plan fits the budget.
+            PlanInfeasibleError: at the first call, when no plan fits the budget.
             HostMemoryError: with tier "host", when the offloaded data cannot fit in host memory.
             SpillError: when the spill files the plan needs do not fit on the spill disk.
         """
-        tuned = tune_step(
-            model,
-            batch,
-            step_fn,
-            budget_bytes=self.config.budget_bytes,
-            min_offload_bytes=self.config.min_offload,
-            autocast=autocast,
-            cache_dir=cache_dir,
-            tier=self.config.tier,
-            host_budget_bytes=self.host_limit_bytes,
-            spill_dir=self.config.spill_dir,
-            free_held=self.config.free_held,
-            slabs=self.config.slabs,
-            cpu_resident=self.config.cpu_resident,
-            budget_share=self.config.budget_share,
-        )
+        param = next(model.parameters(), None)
+        weights = (param.dtype, param.device) if param is not None else None
+        code = getattr(step_fn, "__code__", step_fn)
+        key = (id(model), model.training, weights, code, autocast, _shape_of(batch))
+        if key in self._shapes:
+            kept = self._shapes[key]
+            if kept is None:
+                self.plan = None
+                return None
+            return self.adopt(kept[0], priced_on=kept[1], model=model)
+        if len(self._shapes) >= SHAPES_KEPT:
+            if not self._shapes_said:
+                self._shapes_said = True
+                log.warning(
+                    "[LMS] plans for %d batch shapes are kept already; steps of other shapes "
+                    "follow the budget's own policy (pad batches to fewer shapes)",
+                    SHAPES_KEPT,
+                )
+            self.plan = None
+            return None
+        try:
+            tuned = tune_step(
+                model,
+                batch,
+                step_fn,
+                budget_bytes=self.config.budget_bytes,
+                min_offload_bytes=self.config.min_offload,
+                autocast=autocast,
+                cache_dir=cache_dir,
+                tier=self.config.tier,
+                host_budget_bytes=self.host_limit_bytes,
+                spill_dir=self.config.spill_dir,
+                free_held=self.config.free_held,
+                slabs=self.config.slabs,
+                cpu_resident=self.config.cpu_resident,
+                budget_share=self.config.budget_share,
+            )
+        except PlanInfeasibleError as error:
+            if not self._shapes:  # the first batch: before any training
+                raise
+            log.warning(
+                "[LMS] a batch of another shape: %s; steps of this shape follow the budget's "
+                "own policy",
+                error,
+            )
+            self._shapes[key] = None
+            self.plan = None
+            return None
         if self.config.budget_share is not None:  # the share is now a size: the plan's
             self.config = dataclasses.replace(self.config, budget=tuned.plan.budget_bytes)
-        return self.adopt(tuned.plan, priced_on=(tuned.trace, tuned.spec, tuned.half), model=model)
+        priced_on = (tuned.trace, tuned.spec, tuned.half)
+        self._shapes[key] = (tuned.plan, priced_on)
+        return self.adopt(tuned.plan, priced_on=priced_on, model=model)

@@ -76,7 +76,7 @@ class Session:
     ):
         if config is not None and settings:
             raise ValueError("lms: pass either config= or settings, not both")
-        self.config = config if config is not None else LMSConfig(**settings)
+        self._follow = Follow(config if config is not None else LMSConfig(**settings), plan)
         if plan is not None and plan.spill and self.config.tier == "host":
             raise ValueError(
                 f"lms: the plan sends {len(plan.spill)} tensors to spill files but tier='host'; "
@@ -88,7 +88,6 @@ class Session:
                 "(Plan.free_held) but free_held is off; pass free_held=True, or a plan made "
                 "without it"
             )
-        self._follow = Follow(self.config, plan)
         host_limit = self.config.host_budget
         if host_limit is None:
             host_limit = available_host_bytes() // 2
@@ -135,6 +134,15 @@ class Session:
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
         self._log: StepLog | None = None
         self._tuned: tuple[Trace, DeviceSpec, bool] | None = None  # what `tune` planned from
+
+    @property
+    def config(self) -> LMSConfig:
+        """The settings the steps run under (`lms.LMSConfig`)."""
+        return self._follow.config
+
+    @config.setter
+    def config(self, config: LMSConfig) -> None:
+        self._follow.config = config  # the fallback policy reads the budget from it
 
     @property
     def plan(self) -> Plan | None:

@@ -31,7 +31,29 @@ def _data():
     ]
 
 
-def _trainer(folder):
+def _padded(rows):
+    """Rows padded to the longest in their batch, as a tokenizer's collator pads them."""
+    longest = max(len(row["input_ids"]) for row in rows)
+
+    def pad(row, key, value):
+        return torch.nn.functional.pad(row[key], (0, longest - len(row[key])), value=value)
+
+    return {
+        "input_ids": torch.stack([pad(row, "input_ids", 0) for row in rows]),
+        "attention_mask": torch.stack([pad(row, "attention_mask", 0) for row in rows]),
+        "labels": torch.stack([pad(row, "labels", -100) for row in rows]),
+    }
+
+
+def _lengths():
+    """Rows of 40 and 64 tokens: batches padded to either."""
+    rows = _data()
+    for row in rows[::2]:
+        row.update({key: value[:40] for key, value in row.items()})
+    return rows
+
+
+def _trainer(folder, dataset=None, collator=None):
     args = transformers.TrainingArguments(
         output_dir=str(folder),
         use_cpu=True,
@@ -45,7 +67,9 @@ def _trainer(folder):
         disable_tqdm=True,
         seed=0,
     )
-    return transformers.Trainer(model=_model(), args=args, train_dataset=_data())
+    return transformers.Trainer(
+        model=_model(), args=args, train_dataset=dataset or _data(), data_collator=collator
+    )
 
 
 def _budget():
@@ -58,11 +82,13 @@ def _budget():
     return midway_budget(traced, device_spec("cpu"))
 
 
-def test_each_micro_batch_follows_its_tuned_plan_bitwise(tmp_path):
+def _both_trained(tmp_path, dataset=_data, collator=None):
+    """A plain Trainer and one under `offload_trainer` at `_budget`, each trained; the second's
+    LMS object and spill folder."""
     budget = _budget()  # before the trainers: Trainer seeds the generator dropout draws from
-    plain = _trainer(tmp_path / "plain")
+    plain = _trainer(tmp_path / "plain", dataset(), collator)
     plain.train()
-    trainer = _trainer(tmp_path / "lms")
+    trainer = _trainer(tmp_path / "lms", dataset(), collator)
     spill = tmp_path / "spill"
     spill.mkdir()
     offload = offload_trainer(
@@ -73,11 +99,35 @@ def test_each_micro_batch_follows_its_tuned_plan_bitwise(tmp_path):
         cache_dir=str(tmp_path / "plans"),
     )
     trainer.train()
+    return plain, trainer, offload, spill
+
+
+def test_each_micro_batch_follows_its_tuned_plan_bitwise(tmp_path):
+    plain, trainer, offload, spill = _both_trained(tmp_path)
     assert offload.plan is not None and offload.plan.offload  # tuned, and it moves tensors
     stats = offload.stats
     assert stats.steps == STEPS * ACCUMULATE  # one block a micro-batch
     assert stats.offloaded_tensors == stats.steps * len(offload.plan.offload)  # followed
     assert stats.diverged_steps == 0
+    for a, b in zip(plain.model.parameters(), trainer.model.parameters(), strict=True):
+        assert same_bits(a, b)
+    offload.close()
+    assert spill_files(str(spill)) == [] and hooks_are_gone()
+
+
+def test_batches_padded_to_their_longest_row_each_follow_their_shapes_plan(tmp_path, monkeypatch):
+    """Batches padded to their own longest row (two lengths): each length is tuned once, before
+    its first micro-batch, and every micro-batch follows its length's plan, bit for bit with the
+    plain Trainer (Note [A plan for each shape of batch])."""
+    import lms.orchestration.session as session
+
+    tuned = []
+    real = session.tune_step
+    monkeypatch.setattr(session, "tune_step", lambda *a, **k: tuned.append(a[1]) or real(*a, **k))
+    plain, trainer, offload, spill = _both_trained(tmp_path, _lengths, _padded)
+    lengths = [batch["input_ids"].shape[1] for batch in tuned]
+    assert sorted(lengths) == [40, 64]  # both lengths came, each tuned once
+    assert offload.stats.steps == STEPS * ACCUMULATE and offload.stats.diverged_steps == 0
     for a, b in zip(plain.model.parameters(), trainer.model.parameters(), strict=True):
         assert same_bits(a, b)
     offload.close()

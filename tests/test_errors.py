@@ -101,3 +101,17 @@ def test_the_spill_reserve_is_stated_and_configurable(spill_dir):
     assert offload.stats.offloaded_tensors > 0
     with pytest.raises(ValueError, match="spill_reserve"):
         lms.LMS(spill_reserve="lots")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_tracing_for_cuda_without_a_cuda_device_is_refused_before_the_step(monkeypatch):
+    """Autograd asks the driver for a CUDA device even under fake tensors: a trace for one on a
+    machine without any is refused before the model is built, pointing at device specs."""
+    from lms.analysis import trace_step
+
+    built = []
+    with pytest.raises(ValueError, match="no CUDA device; trace on the CPU.*device_spec="):
+        trace_step(
+            lambda: built.append(1) or torch.nn.Linear(4, 4), [torch.ones(2, 4)], device="cuda"
+        )
+    assert built == []

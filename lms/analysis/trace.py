@@ -524,8 +524,16 @@ def trace_step(
             batch norm over one value, or an op whose output shape depends on the data).
         UnplannableStepError: the step is not one forward and backward, or the model's
             parameters are sharded across processes.
+        ValueError: ``device`` is a CUDA device and this machine has none.
     """
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if target.type == "cuda" and not torch.cuda.is_available():
+        # Autograd's engine asks the driver for the device even when the tensors are fake.
+        raise ValueError(
+            f"lms: device={str(device)!r} but this machine has no CUDA device; trace on the CPU "
+            "(device='cpu') and price the step for a GPU with a device spec, as lms.analyze("
+            "..., device_spec='h100') and lms analyze --device-spec do"
+        )
     step = step_fn or default_step
     # Real tensors the step takes from outside (a GradScaler's scale, a frozen teacher model's
     # weights) are traced as fake copies of themselves.

@@ -359,3 +359,19 @@ def test_the_threshold_gives_each_large_allocation_pages_of_its_own():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["kept"] == 0 and result["freed"] == 0, result
     assert 2**21 <= result["mapped"] <= 2**21 + 2 * 4096, result
+
+
+def test_a_timing_process_started_early_is_taken_or_ended(monkeypatch):
+    """Note [The timing process starts early]: the block's timing takes the process started at
+    its start (no second one), and one no timing took is ended and reaped on leaving."""
+    trace = _trace(_net())
+    spawned = []
+    real = timing._spawn
+    monkeypatch.setattr(timing, "_spawn", lambda: spawned.append(real()) or spawned[-1])
+    with timing.started_early():
+        timings = time_ops(trace, CPU)
+    assert timings.timed > 0
+    assert len(spawned) == 1 and spawned[0].poll() is not None
+    with timing.started_early():
+        assert spawned[1].poll() is None  # importing, or waiting for jobs
+    assert len(spawned) == 2 and spawned[1].poll() is not None and not timing._EARLY

@@ -4,6 +4,7 @@ are timed in a process of their own])."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import logging
@@ -12,6 +13,7 @@ import pickle
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,7 +24,7 @@ from lms.core.devices import FRESH_PAGES_BYTES, OpTimings
 from lms.core.records import TensorMeta, Trace
 from lms.runtime.heap import map_alone_from
 
-__all__ = ["apply_backend_settings", "backend_settings", "time_ops"]
+__all__ = ["apply_backend_settings", "backend_settings", "started_early", "time_ops"]
 
 log = logging.getLogger("lms.orchestration.timing")
 
@@ -227,13 +229,13 @@ def _run_child(
     payload = pickle.dumps(
         (str(device), torch.get_num_threads(), limit_s, backend_settings(), mapped_bytes, sendable)
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    # stderr stays the step's: the child's progress bar, and what it says if it dies
-    try:
-        child = subprocess.Popen(_CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-    except OSError as error:  # no Python to start (an embedded interpreter)
-        log.warning("[LMS] No process could time ops (%s); they are priced by the rates", error)
-        return {}, None, None
+    child = _take_early()
+    if child is None:
+        try:
+            child = _spawn()
+        except OSError as error:  # no Python to start (an embedded interpreter)
+            log.warning("[LMS] No process could time ops (%s); they are priced by the rates", error)
+            return {}, None, None
     try:
         out, _ = child.communicate(payload, timeout=limit_s + _START_S)
     except subprocess.TimeoutExpired:
@@ -257,6 +259,63 @@ def _run_child(
             results[position] = taken
             running = None
     return results, running, child.returncode
+
+
+def _spawn() -> subprocess.Popen[bytes]:
+    """A timing process, started: it imports PyTorch, then waits for its jobs on stdin."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    # stderr stays the step's: the child's progress bar, and what it says if it dies
+    return subprocess.Popen(_CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+
+
+_EARLY: list[tuple[tuple[str, ...], subprocess.Popen[bytes]]] = []
+"""The timing process `started_early` started and no timing has taken yet, with its command."""
+
+
+# Note: [The timing process starts early]
+# A timing process spends seconds importing PyTorch before it times anything (about 3 s on this
+# project's 2-core CPU), and `tune` used to start it only once the step was traced and its plan
+# about to be made, so every tune paid that wait. `started_early` starts it at the start of a
+# tune, where it imports on another core while the step is traced (tracing is Python on one
+# core), and the tune's first timing sends it its jobs. A tune that times nothing (a plan loaded
+# from the cache, timings known already) ends it unused. A process that died meanwhile is not
+# taken: the timing starts another, as it would have.
+@contextlib.contextmanager
+def started_early() -> Iterator[None]:
+    """Start the timing process now, for the first `time_ops` in the block to take (Note [The
+    timing process starts early]); one left untaken is ended on leaving it."""
+    try:
+        child = _spawn()
+    except OSError:  # the timing says so, when it comes
+        yield
+        return
+    _EARLY.append((_CHILD, child))
+    try:
+        yield
+    finally:
+        if (_CHILD, child) in _EARLY:  # untaken
+            _EARLY.remove((_CHILD, child))
+            _end(child)
+
+
+def _end(child: subprocess.Popen[bytes]) -> None:
+    """End a timing process that was given no jobs, and reap it."""
+    if child.poll() is None:
+        child.kill()
+    child.wait()
+    for stream in (child.stdin, child.stdout):
+        if stream is not None:
+            stream.close()
+
+
+def _take_early() -> subprocess.Popen[bytes] | None:
+    """The process `started_early` started, if it runs the current command and still waits."""
+    while _EARLY:
+        command, child = _EARLY.pop()
+        if command == _CHILD and child.poll() is None:
+            return child
+        _end(child)
+    return None
 
 
 def backend_settings() -> dict[str, Any]:

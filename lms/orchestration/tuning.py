@@ -33,6 +33,7 @@ from lms.orchestration.cache import (
 )
 from lms.orchestration.local import local_device_spec, with_local_timings
 from lms.orchestration.split import CLIMB_SIMULATIONS, faster_in_slabs, fit_in_slabs
+from lms.orchestration.timing import started_early
 
 __all__ = ["TunedStep", "check_offload_room", "tune_plan", "tune_step"]
 
@@ -99,121 +100,126 @@ def tune_step(
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
     spec = local_device_spec(device)
-    if device.type != "cuda" and not cpu_resident:  # glibc's own threshold (Note [Fresh pages])
-        spec = dataclasses.replace(spec, page_mapped_bytes=FRESH_PAGES_BYTES)
-    if device.type == "cuda" and tier == "auto":
-        spec = spec.with_host_memory(host_budget_bytes)
-    budget = spec.memory_bytes if budget_bytes is None else budget_bytes
-    started = time.perf_counter()
-    traced = functools.partial(
-        trace_step,
-        model,
-        batch,
-        step_fn,
-        device=device,
-        autocast=autocast,
-        min_offload_bytes=min_offload_bytes,
-        name=type(model).__name__,
-    )
-    trace = traced()
-    half = autocast is not None
-    if budget_share is not None:
-        peak = simulate(trace, None, spec, half=half).peak_bytes
-        budget = int(budget_share * peak)
-        log.info(
-            "[LMS] budget %.0f%% of the step's peak without offload (%s, simulated): %s",
-            100 * budget_share,
-            format_bytes(peak),
-            format_bytes(budget),
+    # The timing process starts now, once this CPU is measured (it would take a core), to
+    # import while the step is traced (Note [The timing process starts early]).
+    with started_early():
+        if device.type != "cuda" and not cpu_resident:  # glibc's own threshold (Note [Fresh pages])
+            spec = dataclasses.replace(spec, page_mapped_bytes=FRESH_PAGES_BYTES)
+        if device.type == "cuda" and tier == "auto":
+            spec = spec.with_host_memory(host_budget_bytes)
+        budget = spec.memory_bytes if budget_bytes is None else budget_bytes
+        started = time.perf_counter()
+        traced = functools.partial(
+            trace_step,
+            model,
+            batch,
+            step_fn,
+            device=device,
+            autocast=autocast,
+            min_offload_bytes=min_offload_bytes,
+            name=type(model).__name__,
         )
-    choose: Any = planner or plan_auto
-    if device.type == "cuda":  # the card, not its measured rates, which vary run to run
-        card = torch.cuda.get_device_properties(device)
-        where = f"{card.name}:{card.total_memory}:{spec.host_memory_bytes}"
-    else:
-        where = f"{spec.name}:{spec.page_mapped_bytes}"
-    chooser = getattr(choose, "__qualname__", type(choose).__qualname__)
-    setting = (where, __version__, planner_code(), half, chooser, *(["free_held"] * free_held))
-    path = cache_path(cache_folder(cache_dir), trace, budget, setting)
-    kept = cached_slabs(path) if slabs else ()
-    if kept:  # the plan kept was made for the step in slabs: check it against that trace
-        trace = traced(slabs=dict(kept))
-    # Note [A cached plan keeps its op times]
-    priced = spec.with_op_timings(load_timings(path, trace))
-    loaded = load_cached(path, trace, priced, budget, half=half, free_held=free_held)
-    if loaded is not None:
-        plan = loaded
-    else:
-        trace = fit_in_slabs(
-            traced,
-            spec,
-            budget,
-            half=half,
-            free_held=free_held,
-            trace=trace,
-            allowed=slabs,
-            refuse=True,
-        )
-        if trace.compiled:
+        trace = traced()
+        half = autocast is not None
+        if budget_share is not None:
+            peak = simulate(trace, None, spec, half=half).peak_bytes
+            budget = int(budget_share * peak)
             log.info(
-                "[LMS] The model or the step is compiled: its plan recomputes nothing, since "
-                "a replay would run it uncompiled (Note [Compiled models are not replayed])"
+                "[LMS] budget %.0f%% of the step's peak without offload (%s, simulated): %s",
+                100 * budget_share,
+                format_bytes(peak),
+                format_bytes(budget),
             )
-        options = {"free_held": True} if free_held else {}
-        if trace.slabs:  # only where slabs were allowed
-            # More slabs are tried at the spec's rates, and only the step chosen has its ops
-            # timed: each trace's timing costs seconds to minutes. Its plan is made again at
-            # those times, so the tries search within fewer simulations.
-            capped = {"max_simulations": CLIMB_SIMULATIONS} if choose is plan_auto else {}
-
-            def at_rates(step: Trace) -> Plan:
-                return choose(step, spec, budget, half=half, **options, **capped)
-
-            first = at_rates(trace)
-            trace, _, _ = faster_in_slabs(
+        choose: Any = planner or plan_auto
+        if device.type == "cuda":  # the card, not its measured rates, which vary run to run
+            card = torch.cuda.get_device_properties(device)
+            where = f"{card.name}:{card.total_memory}:{spec.host_memory_bytes}"
+        else:
+            where = f"{spec.name}:{spec.page_mapped_bytes}"
+        chooser = getattr(choose, "__qualname__", type(choose).__qualname__)
+        setting = (where, __version__, planner_code(), half, chooser, *(["free_held"] * free_held))
+        path = cache_path(cache_folder(cache_dir), trace, budget, setting)
+        kept = cached_slabs(path) if slabs else ()
+        if kept:  # the plan kept was made for the step in slabs: check it against that trace
+            trace = traced(slabs=dict(kept))
+        # Note [A cached plan keeps its op times]
+        priced = spec.with_op_timings(load_timings(path, trace))
+        loaded = load_cached(path, trace, priced, budget, half=half, free_held=free_held)
+        if loaded is not None:
+            plan = loaded
+        else:
+            trace = fit_in_slabs(
                 traced,
-                trace,
-                (first, simulate(trace, first, spec, half=half)),
-                at_rates,
                 spec,
+                budget,
                 half=half,
+                free_held=free_held,
+                trace=trace,
+                allowed=slabs,
+                refuse=True,
             )
-        spec = with_local_timings(spec, trace, device, budget)
-        plan = choose(trace, spec, budget, half=half, **options)
-        # Note [The first step prefetches in the traced order]
-        plan = dataclasses.replace(plan, use_order=trace.use_order, slabs=trace.slabs)
-    # A cached plan too: the host budget and the spill disk's free space may differ now.
-    check_offload_room(
-        trace,
-        plan,
-        spec,
-        half=half,
-        host_budget_bytes=host_budget_bytes if device.type == "cuda" and tier == "host" else None,
-        spill_dir=spill_dir,
-        spills=tier != "host",
-    )
-    if loaded is not None:
-        log.info("[LMS] Loaded the plan for this step from %s", path)
-        return TunedStep(plan, trace, priced, half)
-    save_plan(plan, path, spec.op_timings)
-    mapped = spec.page_mapped_bytes
-    log.info(
-        "[LMS] Tuned in %.2f s: offload %d of %d saved storages, predicted peak %.2f GiB, "
-        "overhead %+.1f%% over a no-offload step of %.4f s%s; saved to %s",
-        time.perf_counter() - started,
-        len(plan.offload),
-        plan.num_entries,
-        plan.predicted_peak_bytes / 1024**3,
-        100 * plan.predicted_overhead,
-        simulate(trace, None, spec, half=half).step_s,
-        # Note [The resident set follows the heap under a budget]: a plain step runs faster
-        f" with allocations of {format_bytes(mapped)} and more faulted in afresh, as under "
-        "this budget (cpu_resident)"
-        if device.type != "cuda" and mapped is not None and mapped < FRESH_PAGES_BYTES
-        else "",
-        path,
-    )
-    return TunedStep(plan, trace, spec, half)
+            if trace.compiled:
+                log.info(
+                    "[LMS] The model or the step is compiled: its plan recomputes nothing, since "
+                    "a replay would run it uncompiled (Note [Compiled models are not replayed])"
+                )
+            options = {"free_held": True} if free_held else {}
+            if trace.slabs:  # only where slabs were allowed
+                # More slabs are tried at the spec's rates, and only the step chosen has its ops
+                # timed: each trace's timing costs seconds to minutes. Its plan is made again at
+                # those times, so the tries search within fewer simulations.
+                capped = {"max_simulations": CLIMB_SIMULATIONS} if choose is plan_auto else {}
+
+                def at_rates(step: Trace) -> Plan:
+                    return choose(step, spec, budget, half=half, **options, **capped)
+
+                first = at_rates(trace)
+                trace, _, _ = faster_in_slabs(
+                    traced,
+                    trace,
+                    (first, simulate(trace, first, spec, half=half)),
+                    at_rates,
+                    spec,
+                    half=half,
+                )
+            spec = with_local_timings(spec, trace, device, budget)
+            plan = choose(trace, spec, budget, half=half, **options)
+            # Note [The first step prefetches in the traced order]
+            plan = dataclasses.replace(plan, use_order=trace.use_order, slabs=trace.slabs)
+        # A cached plan too: the host budget and the spill disk's free space may differ now.
+        check_offload_room(
+            trace,
+            plan,
+            spec,
+            half=half,
+            host_budget_bytes=host_budget_bytes
+            if device.type == "cuda" and tier == "host"
+            else None,
+            spill_dir=spill_dir,
+            spills=tier != "host",
+        )
+        if loaded is not None:
+            log.info("[LMS] Loaded the plan for this step from %s", path)
+            return TunedStep(plan, trace, priced, half)
+        save_plan(plan, path, spec.op_timings)
+        mapped = spec.page_mapped_bytes
+        log.info(
+            "[LMS] Tuned in %.2f s: offload %d of %d saved storages, predicted peak %.2f GiB, "
+            "overhead %+.1f%% over a no-offload step of %.4f s%s; saved to %s",
+            time.perf_counter() - started,
+            len(plan.offload),
+            plan.num_entries,
+            plan.predicted_peak_bytes / 1024**3,
+            100 * plan.predicted_overhead,
+            simulate(trace, None, spec, half=half).step_s,
+            # Note [The resident set follows the heap under a budget]: a plain step runs faster
+            f" with allocations of {format_bytes(mapped)} and more faulted in afresh, as under "
+            "this budget (cpu_resident)"
+            if device.type != "cuda" and mapped is not None and mapped < FRESH_PAGES_BYTES
+            else "",
+            path,
+        )
+        return TunedStep(plan, trace, spec, half)
 
 
 def check_offload_room(

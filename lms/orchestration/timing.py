@@ -273,11 +273,12 @@ _EARLY: list[tuple[tuple[str, ...], subprocess.Popen[bytes]]] = []
 
 
 # Note: [The timing process starts early]
-# A timing process spends seconds importing PyTorch before it times anything (about 3 s on this
-# project's 2-core CPU), and `tune` used to start it only once the step was traced and its plan
-# about to be made, so every tune paid that wait. `started_early` starts it at the start of a
-# tune, where it imports on another core while the step is traced (tracing is Python on one
-# core), and the tune's first timing sends it its jobs. A tune that times nothing (a plan loaded
+# A timing process spends seconds importing PyTorch before it times anything, and `tune` used to
+# start it only once the step was traced and its plan about to be made, so every tune paid that
+# wait (benchmarks/results/README.md, "The timing process starts early"). `started_early`
+# starts it at the start of a tune, once the CPU's rates are measured (it would slow that
+# measurement), where it imports on another core while the step is traced (tracing is Python on
+# one core); the tune's first timing sends it its jobs. A tune that times nothing (a plan loaded
 # from the cache, timings known already) ends it unused. A process that died meanwhile is not
 # taken: the timing starts another, as it would have.
 @contextlib.contextmanager

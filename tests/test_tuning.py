@@ -303,3 +303,20 @@ def test_a_later_shape_that_no_plan_fits_follows_the_budgets_policy(spill_dir, t
     # the first length takes its plan back
     assert offload.tune(model, _tokens(256), _sequence_step, cache_dir=str(tmp_path)) is first
     offload.close()
+
+
+def test_a_batch_shape_tells_what_its_trace_depends_on():
+    """`batch_shape` (Note [A plan for each shape of batch]) tells batches apart where their
+    traces differ: lengths, layouts, tensors that share a storage (``labels=input_ids``), flags;
+    and not where they hold other values alone."""
+    from lms.analysis.trace import batch_shape
+
+    ids, other = torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 8, dtype=torch.long)
+    shared = batch_shape({"input_ids": ids, "labels": ids})
+    assert shared == batch_shape({"input_ids": other, "labels": other})  # other values alike
+    assert shared != batch_shape({"input_ids": ids, "labels": other})  # a storage of its own
+    assert shared != batch_shape({"input_ids": ids[:, :4], "labels": ids[:, :4]})  # shorter
+    image = torch.zeros(2, 3, 4, 4)
+    channels_last = image.contiguous(memory_format=torch.channels_last)
+    assert batch_shape([image]) != batch_shape([channels_last])
+    assert batch_shape((image, True)) != batch_shape((image, False))

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis import fsdp
@@ -39,7 +39,7 @@ from lms.core.keep import is_plain, leave_modules
 from lms.core.records import Trace
 from lms.core.slabs import split_modules
 
-__all__ = ["trace_step", "default_step", "primary_output", "StepFn"]
+__all__ = ["trace_step", "default_step", "primary_output", "batch_shape", "StepFn"]
 
 log = logging.getLogger("lms.analysis")
 
@@ -330,6 +330,37 @@ def _shared_storages(model: torch.nn.Module) -> dict[tuple[str, int], torch.Tens
     return {key: None for key, count in seen.items() if key is not None and count > 1}
 
 
+def _as_dict(batch: Any) -> bool:
+    """Whether the trace fakes ``batch`` as a dict: a mapping that pytree does not know (a
+    tokenizer's BatchEncoding)."""
+    return isinstance(batch, Mapping) and type(batch) is not dict
+
+
+def _batch_leaves(batch: Any) -> tuple[list[Any], TreeSpec]:
+    """The batch's leaves and structure as the trace fakes them (`_as_dict`)."""
+    return tree_flatten(dict(batch) if _as_dict(batch) else batch)
+
+
+def batch_shape(batch: Any) -> tuple[Any, ...]:
+    """What a trace of ``batch`` depends on besides the model and the step: its structure, each
+    tensor's shape, strides, dtype and device and which of them share a storage (as the trace
+    fakes them, `trace_step`), and its other leaves (numbers, strings and flags by value,
+    anything else by type)."""
+    leaves, structure = _batch_leaves(batch)
+    storages: dict[tuple[str, int], int] = {}
+    found: list[Any] = [structure]
+    for position, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            key = _storage_key(leaf)
+            shared = storages.setdefault(key, position) if key is not None else position
+            found.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, shared))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            found.append((type(leaf), leaf))
+        else:
+            found.append(type(leaf))
+    return tuple(found)
+
+
 def _storage_key(value: torch.Tensor) -> tuple[str, int] | None:
     if not is_plain(value) or value.device.type == "meta":
         return None
@@ -555,9 +586,7 @@ def trace_step(
         split_modules(built, slabs or {}),
     ):
         given = batch() if callable(batch) else batch
-        # a mapping pytree does not know (a tokenizer's BatchEncoding) is faked as a dict
-        mapping = isinstance(given, Mapping) and type(given) is not dict
-        given_leaves, structure = tree_flatten(dict(given) if mapping else given)
+        given_leaves, structure = _batch_leaves(given)
         # tensors of the batch that share a storage share a fake one (``labels=input_ids``)
         seen = collections.Counter(
             _storage_key(t) for t in given_leaves if isinstance(t, torch.Tensor)
@@ -578,7 +607,7 @@ def trace_step(
         checks = _mask_checks() if hugging_face else {}
         if hugging_face and not checks:  # a release before the checks
             inputs = _without_a_mask_of_ones(given, inputs)
-        if mapping:
+        if _as_dict(given):
             inputs = _as(type(given), inputs)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
         opt = optimizer(built.parameters()) if optimizer is not None else None

@@ -14,14 +14,11 @@ behind.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 from lms.orchestration.session import LMS
 
 __all__ = ["offload_trainer"]
-
-log = logging.getLogger("lms.integrations")
 
 
 def offload_trainer(

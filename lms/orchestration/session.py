@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from typing_extensions import Unpack
 
+from lms.analysis.trace import batch_shape
 from lms.core.config import LMSConfig, LMSSettings
 from lms.core.errors import PlanInfeasibleError
 from lms.core.plan import Plan
@@ -29,32 +30,16 @@ batch]); a batch of a further shape is not tuned, and its steps follow the budge
 # A plan is made for one step's tensors, by their order and size, so a batch of another shape (a
 # language model's batches padded to each batch's longest sequence) leaves it at its first larger
 # save and follows the budget's own policy. `LMS.tune` keeps each plan it makes by the batch's
-# shape: the tensors in it (shape, dtype, device), how they nest, the model, the step function's
-# code and the autocast dtype. A batch of a shape tuned before takes its plan back at once,
-# without tracing; one of a new shape is traced and planned within the same budget in bytes (a
-# share such as ``"60%"`` is of the first batch's peak: the device memory the run may take).
-# Where no plan fits a later shape, its steps follow the budget's own policy, as a step that
-# leaves its plan does: training that ran goes on. The Trainer hook and the Lightning callback
-# call `tune` before each batch. Each plan holds its trace, so `SHAPES_KEPT` of them are kept at
-# most: batches of many lengths are better padded to a few (``pad_to_multiple_of``).
-
-
-def _shape_of(batch: Any) -> Any:
-    """What a trace of ``batch`` depends on: how it nests (mappings, sequences, dataclasses) and
-    each tensor's shape, dtype and device; numbers, strings and flags by value, anything else by
-    its type."""
-    if isinstance(batch, torch.Tensor):
-        return (tuple(batch.shape), batch.dtype, batch.device)
-    if isinstance(batch, Mapping):
-        return (type(batch), tuple((key, _shape_of(value)) for key, value in batch.items()))
-    if isinstance(batch, (list, tuple)):
-        return (type(batch), tuple(_shape_of(value) for value in batch))
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        fields = dataclasses.fields(batch)
-        return (type(batch), tuple(_shape_of(getattr(batch, f.name)) for f in fields))
-    if batch is None or isinstance(batch, (bool, int, float, str)):
-        return (type(batch), batch)
-    return type(batch)
+# shape (`lms.analysis.trace.batch_shape`: its tensors' shapes, strides, dtypes and devices, how
+# they nest and share storages), the model, the step function's code and the autocast dtype. A
+# batch of a shape tuned before takes its plan back at once, without tracing; one of a new shape
+# is traced and planned within the same budget in bytes (a share such as ``"60%"`` is of the
+# first batch's peak: the device memory the run may take); a function that makes the batch is
+# traced each time. Where no plan fits a later shape, its steps follow the budget's own policy,
+# as a step that leaves its plan does: training that ran goes on. The Trainer hook and the
+# Lightning callback call `tune` before each batch. Each plan holds its trace, so `SHAPES_KEPT`
+# of them are kept at most: batches of many lengths are better padded to a few
+# (``pad_to_multiple_of``).
 
 
 class LMS(Session):
@@ -122,14 +107,16 @@ class LMS(Session):
         param = next(model.parameters(), None)
         weights = (param.dtype, param.device) if param is not None else None
         code = getattr(step_fn, "__code__", step_fn)
-        key = (id(model), model.training, weights, code, autocast, _shape_of(batch))
-        if key in self._shapes:
+        # a function that makes the batch is traced each time: its shape is not known before
+        shape = None if callable(batch) else batch_shape(batch)
+        key = (id(model), model.training, weights, code, autocast, shape)
+        if shape is not None and key in self._shapes:
             kept = self._shapes[key]
             if kept is None:
                 self.plan = None
                 return None
             return self.adopt(kept[0], priced_on=kept[1], model=model)
-        if len(self._shapes) >= SHAPES_KEPT:
+        if shape is not None and len(self._shapes) >= SHAPES_KEPT:
             if not self._shapes_said:
                 self._shapes_said = True
                 log.warning(
@@ -164,11 +151,13 @@ class LMS(Session):
                 "own policy",
                 error,
             )
-            self._shapes[key] = None
+            if shape is not None:
+                self._shapes[key] = None
             self.plan = None
             return None
         if self.config.budget_share is not None:  # the share is now a size: the plan's
             self.config = dataclasses.replace(self.config, budget=tuned.plan.budget_bytes)
         priced_on = (tuned.trace, tuned.spec, tuned.half)
-        self._shapes[key] = (tuned.plan, priced_on)
+        if shape is not None:
+            self._shapes[key] = (tuned.plan, priced_on)
         return self.adopt(tuned.plan, priced_on=priced_on, model=model)

@@ -182,12 +182,51 @@ class WriteLog(TorchDispatchMode):
         self.histories: dict[int, tuple[weakref.ref[torch.UntypedStorage], list[_Written]]] = {}
         self.unsaved: dict[int, list[_Arg]] = {}
         """Arguments read before autograd saved their storage, by its address (`saved`)."""
+        self._freed: list[tuple[int, weakref.ref[torch.UntypedStorage]]] = []
+        """Histories whose storage has died since the last call, dropped at the next
+        (Note [The log lets go of what the step freed])."""
+
+    # Note: [The log lets go of what the step freed]
+    # A history holds the arguments of the calls that wrote its storage, and with them every
+    # tensor too small to offload that they read (held so that a replay finds it). Kept to the
+    # step's end, those outlive the step's own use of them, and a plan that recomputed anything
+    # took more memory than its simulation: on a CPU, where the budget counts the heap, enough
+    # to pass it. A history is needed only while its storage lives and forward may still
+    # save it: a storage that dies takes its history along (the death is noted by a weakref's
+    # callback, on whichever thread let the storage go, and acted on by the next call, so that
+    # only the watched thread changes the histories), and the first call of backward drops
+    # them all, every save of forward having taken its recipe by then. A forward run again in
+    # the same step (gradient accumulation) starts histories afresh. Measured:
+    # benchmarks/results/README.md, "The log lets go of what the step freed".
+    def _watch(self, ptr: int, storage: torch.UntypedStorage) -> weakref.ref[torch.UntypedStorage]:
+        """A weak reference to ``storage`` that marks its history ``ptr`` to drop once it dies."""
+        freed = self._freed
+        return weakref.ref(storage, lambda ref: freed.append((ptr, ref)))
+
+    def _drop_freed(self) -> None:
+        while self._freed:
+            ptr, ref = self._freed.pop()
+            # No local name holds the history: what it held goes now, and a storage that dies
+            # with it is dropped in this same loop.
+            if self.histories.get(ptr, (None,))[0] is ref:
+                del self.histories[ptr]
+            if ptr in self.unsaved:
+                kept = [arg for arg in self.unsaved[ptr] if arg.storage() is not None]
+                if kept:
+                    self.unsaved[ptr] = kept
+                else:
+                    del self.unsaved[ptr]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if in_backward():  # backward: nothing to learn
+        if in_backward():  # backward: nothing to learn, and forward's histories are done with
+            if self.histories or self.unsaved:
+                self.histories.clear()
+                self.unsaved.clear()
             return out
+        if self._freed:
+            self._drop_freed()
         leaves, spec = _flatten(args, kwargs)
         read = {
             leaf.untyped_storage().data_ptr()
@@ -209,7 +248,7 @@ class WriteLog(TorchDispatchMode):
                 if known is not None and known[0]() is storage:
                     known[1].append(call)
                 return out
-            self.histories[ptr] = (weakref.ref(storage), [call])
+            self.histories[ptr] = (self._watch(ptr, storage), [call])
             return out
         # Anything else that writes a storage ends its history.
         for position in written:

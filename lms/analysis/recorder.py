@@ -572,7 +572,8 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # the convolution runs (the gradient of a mean over channels, which comes contiguous). A depthwise
 # convolution in the channels-last layout with a kernel wider than 3 (EfficientNet's and
 # MobileNetV3's 5x5, ConvNeXt's 7x7) makes its weight gradient with each channel's single input and
-# output counted up to a whole block, hundreds of times its own bytes (`_padded_depthwise`). A
+# output counted up to a whole block, hundreds of times its own bytes (`_padded_depthwise`); in
+# bfloat16 once more at half precision, beside one sample's activations so widened. A
 # 3D convolution's single-precision weight gradient over an input of one or two frames, at a batch
 # of two or more (a video ResNet's last stage at 16 frames), takes 4.2 to 4.8 times its weights for
 # each thread (`_shallow_weight_grad`), where one of more frames takes about its weights. A
@@ -626,7 +627,10 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
     if last:
         if backward:
             wide = 2 * made if strided and not transposed and args[10][0] else 0
-            weights += _padded_depthwise(given, weight, groups, args[10][1])
+            depthwise = _padded_depthwise(given, weight, grad_out, settings, args[10][1])
+            if depthwise and given.dtype == torch.bfloat16:
+                widened = 0  # its half-precision operands are counted there
+            weights += depthwise
             rest = max(wide, widened) if strided or transposed else widened
             return max(weights + relayout + rest, shallow)
         return weights + relayout + (made if transposed else 0)
@@ -651,19 +655,33 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
 
 
 def _padded_depthwise(
-    given: torch.Tensor, weight: torch.Tensor, groups: int, weight_grad: bool
+    given: torch.Tensor,
+    weight: torch.Tensor,
+    grad_out: torch.Tensor,
+    settings: Any,
+    weight_grad: bool,
 ) -> int:
     """Bytes of the weight gradient oneDNN makes for a depthwise convolution in the channels-last
     layout with a kernel wider than 3 (5x5, 7x7): each channel's single input and output counted
     up to a whole block of `_CHANNEL_BLOCK` each, `_CHANNEL_BLOCK` squared times its taps (a 3x3
-    kernel's gradient is made as it is). Measured in 2D, single precision; 0 otherwise."""
+    kernel's gradient is made as it is). In bfloat16, that gradient in single precision and again
+    in half, and one sample's input (grown by the padding once along each side) and its output
+    gradient with each channel counted up to a block, in half precision, whatever the batch and
+    the threads. Measured in 2D on a CPU with AVX-512 BF16 and no AMX; 0 otherwise."""
+    groups = settings[5]
     depthwise = groups > 1 and groups == given.size(1) == weight.size(0) and weight.size(1) == 1
-    if not weight_grad or not depthwise or given.dim() != 4 or given.element_size() != 4:
-        return 0
-    if max(weight.shape[2:]) <= 3:
+    if not weight_grad or not depthwise or given.dim() != 4 or max(weight.shape[2:]) <= 3:
         return 0
     taps = math.prod(weight.shape[2:])
-    return groups * _CHANNEL_BLOCK * _CHANNEL_BLOCK * taps * weight.element_size()
+    padded = groups * _CHANNEL_BLOCK * _CHANNEL_BLOCK * taps
+    if given.dtype == torch.float32:
+        return padded * 4
+    if given.dtype != torch.bfloat16:
+        return 0
+    padding = settings[1]
+    pixels = math.prod(size + pad for size, pad in zip(given.shape[2:], padding, strict=True))
+    pixels += math.prod(grad_out.shape[2:])
+    return padded * (4 + 2) + groups * _CHANNEL_BLOCK * pixels * 2
 
 
 _SHALLOW_DEPTH = 2

@@ -2,6 +2,7 @@
 chosen only where no plan of the whole step fits, followed exactly by the runtime, and within
 the budget on the disk tier."""
 
+import copy
 import dataclasses
 import logging
 import textwrap
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 import lms
-from tests.conftest import script_json, spill_files
+from lms.core.slabs import split_modules
+from tests.conftest import assert_bitwise, script_json, spill_files
 from tests.runtime.test_memory import COMMON
 
 # MONAI's 3D U-Net on the disk tier, at a budget below what any plan of the whole step needs,
@@ -299,3 +301,30 @@ def test_the_submodule_named_for_slabs_is_one_forward_calls():
     assert "Net.blocks" not in trace.modules and "Net.blocks.0" in trace.modules
     assert _unit(trace, "Net.blocks.0.0") == "blocks.0"
     assert _unit(trace, "Net.blocks.1") is None
+
+
+def test_a_module_runs_in_slabs_under_autocast():
+    """Note [Slabs recorded under autocast]: the recorded forward meets weights in single
+    precision and inputs autocast made half, as each slab does."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv3d(1, 4, 3, padding=1),
+        torch.nn.Sequential(torch.nn.Conv3d(4, 4, 3, padding=1), torch.nn.ReLU()),
+    )
+    reference = copy.deepcopy(model)
+    x = torch.randn(1, 1, 12, 6, 6)
+
+    def step(m, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(*batch)
+        loss = out.float().square().mean()
+        loss.backward()
+        return loss
+
+    with split_modules(reference, {"1": 3}):
+        expected = step(reference, [x])
+    plan = lms.Plan(fingerprint="x", offload=(), num_entries=0, slabs=(("1", 3),))
+    with lms.LMS(plan=plan, model=model, budget="1GiB"):
+        loss = step(model, [x])
+    grads = [[p.grad for p in m.parameters()] for m in (reference, model)]
+    assert_bitwise((expected, grads[0]), (loss, grads[1]))

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
@@ -95,8 +96,11 @@ class Recorder(TorchFunctionMode):
         return self.refs[id(value)] if isinstance(value, torch.Tensor) else value
 
 
-def _meta(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+def _meta(tensor: torch.Tensor, fake: torch.device | None = None) -> torch.Tensor:
+    """An empty stand-in for ``tensor``: on the meta device, or on ``fake`` (under a fake tensor
+    mode: Note [Slabs recorded under autocast])."""
+    device = fake if fake is not None else "meta"
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
 
 
 @contextlib.contextmanager
@@ -132,28 +136,45 @@ def _hooks_aside(root: torch.nn.Module) -> Iterator[None]:
 
 def record(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Program:
     leaves, structure = tree_flatten((args, kwargs))
-    with _disable_current_modes(), _hooks_aside(module), torch.no_grad():
-        metas = [_meta(t) if isinstance(t, torch.Tensor) else t for t in leaves]
-        refs = {id(m): Ref("input", i) for i, m in enumerate(metas) if isinstance(m, torch.Tensor)}
-        state = {
-            name: _meta(t)
-            for name, t in [*module.named_parameters(), *module.named_buffers()]
-            if t is not None
-        }
-        refs |= {id(t): Ref("param", name) for name, t in state.items()}
-        meta_args, meta_kwargs = tree_unflatten(metas, structure)
-        recorder = Recorder(refs)
-        try:
-            with recorder:
-                out = torch.func.functional_call(module, state, meta_args, meta_kwargs)
-        except SplitError:
-            raise
-        except Exception as error:
-            raise SplitError(
-                f"lms: {type(module).__name__}'s forward could not be recorded to run in "
-                f"slabs ({type(error).__name__}: {error}); run this module whole"
-            ) from error
-        output = tree_map(recorder._ref, out)
+    device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
+    # Note: [Slabs recorded under autocast]
+    # Autocast casts a call's tensors by their device, and has no rules for the meta device: a
+    # forward recorded on meta tensors under autocast would meet a weight in single precision
+    # with an input autocast made half (a convolution refuses that). There, the forward is
+    # recorded on fake tensors of its own device, which autocast casts as it will in each slab;
+    # the recorded calls are the same torch functions, replayed under the same autocast.
+    cast = device is not None and device.type in ("cpu", "cuda")
+    cast = cast and torch.is_autocast_enabled(device.type)  # type: ignore[union-attr]
+    faked = FakeTensorMode() if cast else contextlib.nullcontext()
+    with _disable_current_modes(), _hooks_aside(module), torch.no_grad(), faked:
+        return _record(module, leaves, structure, device if cast else None)
+
+
+def _record(
+    module: torch.nn.Module, leaves: list[Any], structure: Any, fake: torch.device | None
+) -> Program:
+    """`record`, on meta tensors, or on fake tensors of the device ``fake`` where given."""
+    metas = [_meta(t, fake) if isinstance(t, torch.Tensor) else t for t in leaves]
+    refs = {id(m): Ref("input", i) for i, m in enumerate(metas) if isinstance(m, torch.Tensor)}
+    state = {
+        name: _meta(t, fake)
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+        if t is not None
+    }
+    refs |= {id(t): Ref("param", name) for name, t in state.items()}
+    meta_args, meta_kwargs = tree_unflatten(metas, structure)
+    recorder = Recorder(refs)
+    try:
+        with recorder:
+            out = torch.func.functional_call(module, state, meta_args, meta_kwargs)
+    except SplitError:
+        raise
+    except Exception as error:
+        raise SplitError(
+            f"lms: {type(module).__name__}'s forward could not be recorded to run in "
+            f"slabs ({type(error).__name__}: {error}); run this module whole"
+        ) from error
+    output = tree_map(recorder._ref, out)
     last_use: dict[int, int] = {}
     for index, call in enumerate(recorder.calls):
         for ref in tree_flatten((call.args, call.kwargs))[0]:

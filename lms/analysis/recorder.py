@@ -562,7 +562,8 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # activations in the contiguous layout in and the results back (forward: its input, where it has a
 # block of channels or more, beside its output made blocked, then copied out), and in half
 # precision keeps a weight gradient's operands in single precision (but a first layer's of fewer
-# channels than a block); the native kernels kept for small convolutions unfold the input into
+# channels than a block; a pointwise one beside its input gradient, at least three times its
+# input); the native kernels kept for small convolutions unfold the input into
 # columns, one per kernel tap, and take their activations contiguous (an input in the channels-last
 # layout is copied, and in backward its output gradient too: a 3D U-Net's upsampling of few
 # channels). `_cpu_scratch` estimates each of these from the op's tensors, channels counted up to a
@@ -651,6 +652,10 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
         return max(weights + relayout + pad[1] + pad[0] + max(input_grad, widened), shallow)
     if widened and not args[10][0] and pointwise:
         widened = 0  # a pointwise convolution's weight gradient alone: none
+    elif widened and pointwise:
+        # beside its input gradient, its input three times over where that is the more: a
+        # segmentation head of many channels in and few out
+        widened = max(widened, 3 * pad[0])
     return max(weights + relayout + pad[1] + max(pad[0], input_grad) + widened, shallow)
 
 

@@ -563,7 +563,8 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # block of channels or more, beside its output made blocked, then copied out), and in half
 # precision keeps a weight gradient's operands in single precision (but a first layer's of fewer
 # channels than a block; a pointwise one beside its input gradient, at least three times its
-# input); the native kernels kept for small convolutions unfold the input into
+# input; in 3D, the input with its padding in depth), and a pointwise forward its input as a
+# whole block of channels; the native kernels kept for small convolutions unfold the input into
 # columns, one per kernel tap, and take their activations contiguous (an input in the channels-last
 # layout is copied, and in backward its output gradient too: a 3D U-Net's upsampling of few
 # channels). `_cpu_scratch` estimates each of these from the op's tensors, channels counted up to a
@@ -642,7 +643,7 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
             return weights + 2 * pad[1]
         if pointwise and given.element_size() < 4:  # its output four or five times over
             few = grad_out.size(1) < _CHANNEL_BLOCK
-            return weights + given.numel() * given.element_size() + (5 if few else 4) * pad[1]
+            return weights + pad[0] + (5 if few else 4) * pad[1]  # its input as a whole block
         # the output made blocked, beside the blocked input (one of fewer channels than a block
         # is read as it is), then copied out into a tensor of its own channels
         source = pad[0] if given.size(1) >= _CHANNEL_BLOCK else 0
@@ -716,7 +717,11 @@ def _widened(given: torch.Tensor, grad_out: torch.Tensor, args: Any, strided: bo
         return 0
     if strided:
         return given.numel() * given.element_size() + grad_out.numel() * grad_out.element_size()
-    return 2 * (_blocked(given) + _blocked(grad_out))
+    widened = _blocked(given)
+    if given.dim() == 5:  # in 3D, the input with its padding in depth
+        depth, pad = given.size(2), args[5][0]
+        widened = widened * (depth + 2 * pad) // max(depth, 1)
+    return 2 * (widened + _blocked(grad_out))
 
 
 def _backend(given: torch.Tensor, weight: torch.Tensor, *settings: Any) -> str:

@@ -671,9 +671,9 @@ def _padded_depthwise(
     layout with a kernel wider than 3 (5x5, 7x7): each channel's single input and output counted
     up to a whole block of `_CHANNEL_BLOCK` each, `_CHANNEL_BLOCK` squared times its taps (a 3x3
     kernel's gradient is made as it is). In bfloat16, that gradient in single precision and again
-    in half, and one sample's input (grown by the padding once along each side) and its output
-    gradient with each channel counted up to a block, in half precision, whatever the batch and
-    the threads. Measured in 2D on a CPU with AVX-512 BF16 and no AMX; 0 otherwise."""
+    in half, and one sample's input (each spatial size grown by its padding once, not twice)
+    and its output gradient with each channel counted up to a block, in half precision, whatever
+    the batch and the threads. Measured in 2D on a CPU with AVX-512 BF16 and no AMX; 0 otherwise."""
     groups = settings[5]
     depthwise = groups > 1 and groups == given.size(1) == weight.size(0) and weight.size(1) == 1
     if not weight_grad or not depthwise or given.dim() != 4 or max(weight.shape[2:]) <= 3:

@@ -194,8 +194,10 @@ class WriteLog(TorchDispatchMode):
     # to pass it. A history is needed only while its storage lives and forward may still
     # save it: a storage that dies takes its history along (the death is noted by a weakref's
     # callback, on whichever thread let the storage go, and acted on by the next call, so that
-    # only the watched thread changes the histories), and the first call of backward drops
-    # them all, every save of forward having taken its recipe by then. A forward run again in
+    # only the watched thread changes the histories, as releases are queued in Note [A handle
+    # may be released on any thread]), and the first call of backward drops them all, with the
+    # arguments still waiting for their save, every save of forward having taken its recipe by
+    # then. A forward run again in
     # the same step (gradient accumulation) starts histories afresh. Measured:
     # benchmarks/results/README.md, "The log lets go of what the step freed".
     def _watch(self, ptr: int, storage: torch.UntypedStorage) -> weakref.ref[torch.UntypedStorage]:
@@ -210,12 +212,6 @@ class WriteLog(TorchDispatchMode):
             # with it is dropped in this same loop.
             if self.histories.get(ptr, (None,))[0] is ref:
                 del self.histories[ptr]
-            if ptr in self.unsaved:
-                kept = [arg for arg in self.unsaved[ptr] if arg.storage() is not None]
-                if kept:
-                    self.unsaved[ptr] = kept
-                else:
-                    del self.unsaved[ptr]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}

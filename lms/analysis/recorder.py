@@ -560,7 +560,9 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # `torch._C._select_conv_backend` tells from the tensors' shapes, layout and dtype. oneDNN copies
 # the weights into its blocked layout (and in backward makes their gradient there), copies
 # activations in the contiguous layout in and the results back (forward: its input, where it has a
-# block of channels or more, beside its output made blocked, then copied out), and in half
+# block of channels or more, beside its output made blocked, then copied out; a strided backward in
+# single precision: twice its input, or half as much again as its output gradient where that is
+# more, and without an input gradient its output gradient beside its input), and in half
 # precision keeps a weight gradient's operands in single precision (but a first layer's of fewer
 # channels than a block; a pointwise one beside its input gradient, at least three times its
 # input; in 3D, the input with its padding in depth), and a pointwise forward its input as a
@@ -578,7 +580,11 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # bfloat16 once more at half precision, beside one sample's activations so widened. A
 # 3D convolution's single-precision weight gradient over an input of one or two frames, at a batch
 # of two or more (a video ResNet's last stage at 16 frames), takes 4.2 to 4.8 times its weights for
-# each thread (`_shallow_weight_grad`), where one of more frames takes about its weights. A
+# each thread (`_shallow_weight_grad`), where one of more frames takes about its weights. PyTorch
+# runs a 1D convolution (a speech model's front end) as a 2D one over a single row, and so it is
+# estimated (`_one_row`); one with a kernel of 16 taps or more (wav2vec2's positional
+# convolution, 128) makes its weight gradient in copies, as a 3D one over two frames does, each
+# beside one group's input unfolded into columns. A
 # dilated convolution whose kernel spans more than its input takes more than estimated. The
 # simulator counts scratch for the "cpu" spec only (`DeviceSpec.cpu_scratch`); other ops' scratch
 # is small. The sizes measured per kernel, and how close the estimates came:
@@ -594,8 +600,10 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
         return 0
     backward = name.endswith("backward.default")
     grad_out, given, weight = args[:3] if backward else (out, args[0], args[1])
-    if given.device.type != "cpu" or given.dim() not in (4, 5):
+    if given.device.type != "cpu" or given.dim() not in (3, 4, 5):
         return 0
+    if given.dim() == 3:  # PyTorch runs it as a 2D one of a single row
+        return _cpu_scratch(name, *_one_row(args, out, backward))
     settings = args[4:10] if backward else args[3:9]  # stride, padding, ..., groups
     transposed, groups = bool(settings[3]), settings[5]
     kernel = _backend(given, weight, *settings)
@@ -649,6 +657,11 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
         source = pad[0] if given.size(1) >= _CHANNEL_BLOCK else 0
         return weights + max(source + pad[1] - made, pad[1])
     input_grad = pad[0] if args[10][0] else 0
+    if strided and not transposed and given.element_size() == 4:
+        if input_grad:  # twice its input, or half as much again as its output gradient
+            return max(weights + relayout + max(2 * pad[0], pad[1] * 3 // 2), shallow)
+        source = pad[0] if given.size(1) >= _CHANNEL_BLOCK else 0
+        return max(weights + relayout + pad[1] + source, shallow)
     if strided or transposed:
         return max(weights + relayout + pad[1] + pad[0] + max(input_grad, widened), shallow)
     if widened and not args[10][0] and pointwise:
@@ -658,6 +671,21 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
         # segmentation head of many channels in and few out
         widened = max(widened, 3 * pad[0])
     return max(weights + relayout + pad[1] + max(pad[0], input_grad) + widened, shallow)
+
+
+def _one_row(args: Any, out: Any, backward: bool) -> tuple[Any, Any]:
+    """A 1D convolution's arguments and output as those of the 2D convolution over a single row
+    that PyTorch runs in its place: each activation and the weight with a height of one, and each
+    size in the settings led by that of the row."""
+    tensors = 3 if backward else 2  # (output gradient,) input, weight
+    row = [a.unsqueeze(2) if a is not None else None for a in args[:tensors]]
+    first = 4 if backward else 3  # stride, padding, dilation, transposed, output padding
+    lists = [[lead, *args[first + i]] for i, lead in ((0, 1), (1, 0), (2, 1))]
+    settings = [*lists, args[first + 3], [0, *args[first + 4]], *args[first + 5 :]]
+    middle = list(args[tensors:first])  # the bias, or its sizes
+    if backward:
+        return [*row, *middle, *settings], out
+    return [*row, *middle, *settings], out.unsqueeze(2)
 
 
 def _padded_depthwise(
@@ -692,19 +720,32 @@ def _padded_depthwise(
 
 _SHALLOW_DEPTH = 2
 _SHALLOW_PER_THREAD = 4.8
+_WIDE_ROW_TAPS = 16
+_WIDE_ROW_SPLIT = 512
 
 
 def _shallow_weight_grad(given: torch.Tensor, weight: torch.Tensor, args: Any) -> int:
     """Bytes oneDNN takes for the single-precision weight gradient of a 3D convolution over an
     input of at most `_SHALLOW_DEPTH` frames at a batch of two or more (a video network's last
-    stage): `_SHALLOW_PER_THREAD` times its weights for each thread of the process (Note
-    [Convolution scratch on the CPU]); 0 otherwise."""
-    if given.dim() != 5 or given.element_size() != 4 or not args[10][1]:
+    stage): `_SHALLOW_PER_THREAD` times its weights for each thread of the process. Over a single
+    row with a kernel of `_WIDE_ROW_TAPS` taps or more (a 1D one of a speech model's positional
+    embedding): four times its weights and one group's input unfolded into columns over the
+    output's positions, once for each thread, at most one a sample, where those are at most
+    `_WIDE_ROW_SPLIT`, else once (Note [Convolution scratch on the CPU]). 0 otherwise."""
+    taps = math.prod(weight.shape[2:])
+    wide_row = given.dim() == 4 and given.size(2) == 1 and taps >= _WIDE_ROW_TAPS
+    if not (given.dim() == 5 or wide_row) or given.element_size() != 4 or not args[10][1]:
         return 0
-    if given.size(0) < 2 or given.size(2) > _SHALLOW_DEPTH:
+    weights = weight.numel() * weight.element_size()
+    threads = torch.get_num_threads()
+    if wide_row:  # each copy its weights four times and one group's columns over the row
+        positions = args[0].size(3)
+        copy = 4 * weights + weight.size(1) * taps * positions * given.element_size()
+        copies = min(threads, given.size(0)) if positions <= _WIDE_ROW_SPLIT else 1
+        return copy * copies
+    if given.size(2) > _SHALLOW_DEPTH or given.size(0) < 2:
         return 0
-    per_thread = _SHALLOW_PER_THREAD * weight.numel() * weight.element_size()
-    return int(per_thread * torch.get_num_threads())
+    return int(_SHALLOW_PER_THREAD * weights * threads)
 
 
 def _widened(given: torch.Tensor, grad_out: torch.Tensor, args: Any, strided: bool) -> int:

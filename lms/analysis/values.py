@@ -40,17 +40,23 @@ log = logging.getLogger("lms.analysis")
 # by that op from there on; one whose storage was written through another view is not known any
 # more. A random op draws from the CPU's generator under a fork of it, which is put back: a step
 # that draws otherwise (a layer dropped at random) diverges from its plan, as any other would.
-# An op made of a tensor not known, or larger than that limit, is not known itself. A CTC loss,
-# whose result's shape is set by its target lengths alone, takes zeros for its probabilities
-# (activations) to give that shape.
+# An op made of a tensor not known, or larger than that limit, is not known itself. An op whose
+# result's shape is set by its integer or boolean arguments alone takes zeros (one, expanded) for
+# its floating-point ones (activations, their gradients) to give that shape: a CTC loss's target
+# lengths, and a boolean index or mask from the batch (wav2vec2's masked time steps, whose
+# gradient backward gathers with the same mask).
 
 REAL_ELEMENTS = 1 << 24
 """The most elements the ops that lead to a value the step reads may make, for it to be had."""
 
 _READS = (DataDependentOutputException, DynamicOutputShapeException)
-_SHAPED_BY_LENGTHS = {torch.ops.aten._ctc_loss.Tensor}
-"""Ops whose result's shape depends on the values of their integer arguments alone (the target
-lengths of a CTC loss), not of their floating-point ones."""
+_SHAPED_BY_INDICES = {
+    torch.ops.aten._ctc_loss.Tensor,
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.masked_select.default,
+}
+"""Ops whose result's shape depends on the values of their integer or boolean arguments alone
+(the target lengths of a CTC loss, a boolean index or mask), not of their floating-point ones."""
 
 
 class _Node:
@@ -178,12 +184,12 @@ def _real(node: _Node, given: tuple[Any, ...]) -> Any:
     """``node``'s op run for real on its arguments' real values (``given``, fake); None where
     they cannot be had."""
     if not _affordable(node):
-        if node.func not in _SHAPED_BY_LENGTHS:
+        if node.func not in _SHAPED_BY_INDICES:
             return None
         # its floating-point arguments do not shape its result: zeros in their place
         with _real_ops():
             args = tuple(
-                _leaf(torch.zeros(fake.shape, dtype=fake.dtype))
+                _leaf(torch.zeros((), dtype=fake.dtype).expand(fake.shape))
                 if isinstance(fake, torch.Tensor) and fake.is_floating_point()
                 else ref
                 for fake, ref in zip(given, node.args, strict=True)

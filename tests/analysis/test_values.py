@@ -49,6 +49,23 @@ class Ctc(nn.Module):
         return F.ctc_loss(log_probs, targets, lengths, kept.sum(-1))
 
 
+class MaskedSteps(nn.Module):
+    """Replaces the time steps a boolean mask of the batch picks with a learned vector, as Hugging
+    Face's Wav2Vec2 does in training (whose backward gathers that vector's gradient with the same
+    mask), and scores the activations of the steps it picks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Parameter(torch.randn(32))
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.GELU())
+        self.out = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU())
+
+    def forward(self, x, mask):
+        hidden = self.body(x)
+        hidden[mask] = self.embed
+        return self.out(hidden)[mask].square().mean()
+
+
 def _step(model, batch):
     loss = model(*batch)
     loss.backward()
@@ -72,6 +89,11 @@ def _ctc_batch():
     labels = torch.randint(1, 12, (4, 10))
     labels[2, 6:] = -100
     return [torch.randn(4, 400), mask, labels]
+
+
+def _masked_batch():
+    torch.manual_seed(0)
+    return [torch.randn(4, 50, 16), torch.rand(4, 50) < 0.3]
 
 
 @pytest.mark.parametrize(("make", "batch"), [(KeptLabels, _labels_batch), (Ctc, _ctc_batch)])
@@ -122,6 +144,24 @@ def test_a_value_of_the_activations_past_the_limit_is_still_refused(monkeypatch)
         trace_step(model, [x], device="cpu")
     with pytest.raises(lms.StepFailedError, match="depends on the data"):
         trace_step(Reads, [x], device="cpu")  # built under fake tensors: no weights to read
+
+
+def test_a_boolean_mask_of_the_batch_shapes_an_index_of_the_activations(monkeypatch, tmp_path):
+    # activations past the limit, whose values the trace cannot have: the mask's alone shape
+    # what forward picks of them, and what backward gathers of their gradient
+    monkeypatch.setattr(values_module, "REAL_ELEMENTS", 4000)
+    model, given = MaskedSteps(), _masked_batch()
+    ref = _run(model, given)
+    trace = trace_step(model, given, _step, device="cpu", min_offload_bytes=0)
+    kept = int(given[1].sum())
+    picked = [op for op in trace.ops if op.name == "aten.index.Tensor"]
+    assert [op.written_bytes for op in picked] == [kept * 32 * 4] * 2, picked
+    assert {op.phase for op in picked} == {"forward", "backward"}
+    plan = recomputing_plan(trace)
+    offload = lms.LMS(plan=plan, tier="disk", spill_dir=str(tmp_path), min_offload_bytes=0)
+    assert_bitwise(ref, _run(model, given, offload))
+    assert offload.stats.diverged_steps == 0 and offload.stats.recomputed_tensors
+    offload.close()
 
 
 def test_values_follow_writes_in_place_and_forget_a_storage_written_through_a_view():

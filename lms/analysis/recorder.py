@@ -581,8 +581,9 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # 3D convolution's single-precision weight gradient over an input of one or two frames, at a batch
 # of two or more (a video ResNet's last stage at 16 frames), takes 4.2 to 4.8 times its weights for
 # each thread (`_shallow_weight_grad`), where one of more frames takes about its weights. PyTorch
-# runs a 1D convolution (a speech model's front end) as a 2D one over a single row, and so it is
-# estimated (`_one_row`); one with a kernel of 16 taps or more (wav2vec2's positional
+# runs a 1D convolution (a speech model's front end) as a 2D one over a single row, its input
+# copied contiguous where it is not (Mamba's, transposed from the projection before it), and so
+# it is estimated (`_one_row`); one with a kernel of 16 taps or more (wav2vec2's positional
 # convolution, 128) makes its weight gradient in copies, as a 3D one over two frames does, each
 # beside one group's input unfolded into columns. A
 # dilated convolution whose kernel spans more than its input takes more than estimated. The
@@ -602,8 +603,9 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
     grad_out, given, weight = args[:3] if backward else (out, args[0], args[1])
     if given.device.type != "cpu" or given.dim() not in (3, 4, 5):
         return 0
-    if given.dim() == 3:  # PyTorch runs it as a 2D one of a single row
-        return _cpu_scratch(name, *_one_row(args, out, backward))
+    if given.dim() == 3:  # PyTorch runs it as a 2D one of a single row, its input contiguous
+        copied = 0 if given.is_contiguous() else given.numel() * given.element_size()
+        return copied + _cpu_scratch(name, *_one_row(args, out, backward))
     settings = args[4:10] if backward else args[3:9]  # stride, padding, ..., groups
     transposed, groups = bool(settings[3]), settings[5]
     kernel = _backend(given, weight, *settings)
@@ -675,10 +677,13 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
 
 def _one_row(args: Any, out: Any, backward: bool) -> tuple[Any, Any]:
     """A 1D convolution's arguments and output as those of the 2D convolution over a single row
-    that PyTorch runs in its place: each activation and the weight with a height of one, and each
-    size in the settings led by that of the row."""
+    that PyTorch runs in its place: each activation and the weight with a height of one (the
+    input made contiguous first, so that a permuted one never runs channels-last), and each size
+    in the settings led by that of the row."""
     tensors = 3 if backward else 2  # (output gradient,) input, weight
-    row = [a.unsqueeze(2) if a is not None else None for a in args[:tensors]]
+    given = 1 if backward else 0
+    row = [a.unsqueeze(2) for a in args[:tensors]]
+    row[given] = args[given].contiguous().unsqueeze(2)
     first = 4 if backward else 3  # stride, padding, dilation, transposed, output padding
     lists = [[lead, *args[first + i]] for i, lead in ((0, 1), (1, 0), (2, 1))]
     settings = [*lists, args[first + 3], [0, *args[first + 4]], *args[first + 5 :]]

@@ -5,6 +5,7 @@ for the trace timed alone."""
 import dataclasses
 import json
 import logging
+import queue
 import subprocess
 import sys
 import textwrap
@@ -79,7 +80,11 @@ def test_ops_are_timed_in_a_process_of_their_own():
     ("child", "said"),
     [
         (
-            (sys.executable, "-c", "import sys; sys.stdin.buffer.read(); sys.exit(3)"),
+            (
+                sys.executable,
+                "-c",
+                "import pickle, sys; pickle.load(sys.stdin.buffer); sys.exit(3)",
+            ),
             "ended with code 3 after 0 of",
         ),
         (("/nonexistent/python",), "No process could time ops"),
@@ -269,21 +274,20 @@ def test_a_gpu_plan_is_priced_at_its_ops_timed_on_the_card(monkeypatch):
 
 def test_ctrl_c_while_timing_leaves_no_timing_process(monkeypatch):
     trace = _trace(_net())
+    timing._end_waiting()  # none left by earlier tests to take
     started = []
-    real = timing.subprocess.Popen
+    real = timing._spawn
+    monkeypatch.setattr(timing, "_spawn", lambda: started.append(real()) or started[-1])
 
-    class Interrupted(real):  # the user presses Ctrl-C while the child times
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            started.append(self)
-
-        def communicate(self, *args, **kwargs):
+    class Interrupted(queue.Queue):  # the user presses Ctrl-C while the child times
+        def get(self, *args, **kwargs):
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(timing.subprocess, "Popen", Interrupted)
+    monkeypatch.setattr(timing.queue, "Queue", Interrupted)
     with pytest.raises(KeyboardInterrupt):
         time_ops(trace, CPU)
     assert len(started) == 1 and started[0].poll() is not None  # ended, and reaped
+    assert not timing._WAITING
 
 
 def test_a_timing_process_that_dies_on_an_op_names_it_and_times_the_rest(monkeypatch, caplog):
@@ -361,17 +365,24 @@ def test_the_threshold_gives_each_large_allocation_pages_of_its_own():
     assert 2**21 <= result["mapped"] <= 2**21 + 2 * 4096, result
 
 
-def test_a_timing_process_started_early_is_taken_or_ended(monkeypatch):
-    """Note [The timing process starts early]: the block's timing takes the process started at
-    its start (no second one), and one no timing took is ended and reaped on leaving."""
+def test_a_timing_process_started_early_is_taken_and_waits_for_the_next_tune(monkeypatch):
+    """Notes [The timing process starts early] and [A timing process waits for the next tune]:
+    the block's timing takes the process started at its start, which then waits; the next
+    block starts none and its timing takes that one; a tune under another allocator threshold
+    starts a process of its own; all are ended as this process ends."""
     trace = _trace(_net())
+    timing._end_waiting()  # none left by earlier tests to take
     spawned = []
     real = timing._spawn
     monkeypatch.setattr(timing, "_spawn", lambda: spawned.append(real()) or spawned[-1])
     with timing.started_early():
-        timings = time_ops(trace, CPU)
-    assert timings.timed > 0
-    assert len(spawned) == 1 and spawned[0].poll() is not None
+        assert time_ops(trace, CPU).timed > 0
+    assert len(spawned) == 1 and spawned[0].poll() is None  # waiting for jobs
+    assert [worker.process for worker in timing._WAITING] == spawned
     with timing.started_early():
-        assert spawned[1].poll() is None  # importing, or waiting for jobs
-    assert len(spawned) == 2 and spawned[1].poll() is not None and not timing._EARLY
+        assert time_ops(trace, CPU).timed > 0
+    assert len(spawned) == 1  # the waiting one timed it
+    assert time_ops(trace, CPU, mapped_bytes=2**20).timed > 0
+    assert len(spawned) == 2 and all(process.poll() is None for process in spawned)
+    timing._end_waiting()  # as at exit
+    assert all(process.poll() is not None for process in spawned) and not timing._WAITING

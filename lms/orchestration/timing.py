@@ -4,14 +4,17 @@ are timed in a process of their own])."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
-import io
+import gc
 import logging
 import os
 import pickle
+import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +25,7 @@ from tqdm import tqdm
 
 from lms.core.devices import FRESH_PAGES_BYTES, OpTimings
 from lms.core.records import TensorMeta, Trace
-from lms.runtime.heap import map_alone_from
+from lms.runtime.heap import map_alone_from, trim_heap
 
 __all__ = ["apply_backend_settings", "backend_settings", "started_early", "time_ops"]
 
@@ -225,40 +228,118 @@ def _run_child(
     mapped_bytes: int | None = None,
 ) -> tuple[dict[int, float | None], int | None, int | None]:
     """One timing process over ``sendable``: the times it sent, by position; the job it was
-    running when it ended, if it ended in one; and its exit code (None: it could not start)."""
+    running when it ended, if it ended in one; and its exit code (0 where it finished them and
+    waits for more; None: it could not start)."""
     payload = pickle.dumps(
         (str(device), torch.get_num_threads(), limit_s, backend_settings(), mapped_bytes, sendable)
     )
-    child = _take_early()
-    if child is None:
+    worker = _take(_threshold(mapped_bytes))
+    if worker is None:
         try:
-            child = _spawn()
+            worker = _Worker.start()
         except OSError as error:  # no Python to start (an embedded interpreter)
             log.warning("[LMS] No process could time ops (%s); they are priced by the rates", error)
             return {}, None, None
-    try:
-        out, _ = child.communicate(payload, timeout=limit_s + _START_S)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        out, _ = child.communicate()
-    finally:
-        if child.poll() is None:  # interrupted (Ctrl-C): nothing left running
-            child.kill()
-            child.wait()
+    threading.Thread(target=worker.send, args=(payload,), daemon=True).start()
+    deadline = time.perf_counter() + limit_s + _START_S
     results: dict[int, float | None] = {}
     running: int | None = None
-    stream = io.BytesIO(out)
-    while True:
-        try:
-            position, taken = pickle.load(stream)
-        except Exception:  # the end, or a message cut short by the child's death
-            break
-        if taken == _STARTING:
-            running = position
+    finished = ended = False
+    try:
+        while not finished:
+            try:
+                message = worker.said.get(timeout=max(deadline - time.perf_counter(), 0.0))
+            except queue.Empty:  # past its time: ended below
+                break
+            if message is None:  # it ended
+                ended = True
+                break
+            position, taken = message
+            if taken == _STARTING:
+                running = position
+            elif taken == _FINISHED:
+                finished = True
+            else:
+                results[position] = taken
+                running = None
+    finally:  # an interrupt (Ctrl-C) included: a process not done is ended
+        if finished and device.type == "cpu":
+            worker.threshold = _threshold(mapped_bytes)
+            _WAITING.append(worker)
         else:
-            results[position] = taken
-            running = None
-    return results, running, child.returncode
+            worker.end(dying=ended)
+    return results, running, 0 if finished else worker.process.returncode
+
+
+_FINISHED = "finished"
+"""What the timing process sends once it has sent every job's time."""
+_DYING_S = 5.0
+"""How long a timing process that closed its output is given to exit before it is killed."""
+_UNSET = object()
+"""The allocator threshold of a timing process that has timed nothing yet: any will do."""
+
+
+def _threshold(mapped_bytes: int | None) -> int | None:
+    """The mmap threshold a timing process fixes for ``mapped_bytes`` (None: glibc's own,
+    raised as a step's first allocations raise it)."""
+    return mapped_bytes if mapped_bytes is not None and mapped_bytes < FRESH_PAGES_BYTES else None
+
+
+class _Worker:
+    """A timing process of this one, what it said (a queue of ``(position, taken)``, None once
+    it ended), and the allocator threshold it has fixed (Note [A timing process waits for the
+    next tune])."""
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+        self.command = _CHILD
+        self.owner = os.getpid()
+        self.threshold: Any = _UNSET
+        self.said: queue.Queue[tuple[int, Any] | None] = queue.Queue()
+        threading.Thread(target=self._listen, daemon=True).start()
+
+    @classmethod
+    def start(cls) -> _Worker:
+        return cls(_spawn())
+
+    def _listen(self) -> None:
+        stream = self.process.stdout
+        assert stream is not None
+        while True:
+            try:
+                self.said.put(pickle.load(stream))
+            except Exception:  # the end, or a message cut short by the process's death
+                self.said.put(None)
+                return
+
+    def send(self, payload: bytes) -> None:
+        stream = self.process.stdin
+        assert stream is not None
+        try:
+            stream.write(payload)
+            stream.flush()
+        except (OSError, ValueError):  # it died, or was ended: what it said tells
+            pass
+
+    def alive(self) -> bool:
+        """Whether it runs the current command, for this process, still."""
+        return self.owner == os.getpid() and self.command == _CHILD and self.process.poll() is None
+
+    def end(self, dying: bool = False) -> None:
+        """End it, if this process started it, and reap it; ``dying``: it closed its output,
+        and is given a moment to exit with its own code."""
+        if self.owner != os.getpid():  # the process that forked this one owns it
+            return
+        if dying:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(timeout=_DYING_S)
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        for stream in (self.process.stdin, self.process.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
 
 
 def _spawn() -> subprocess.Popen[bytes]:
@@ -268,8 +349,32 @@ def _spawn() -> subprocess.Popen[bytes]:
     return subprocess.Popen(_CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
 
 
-_EARLY: list[tuple[tuple[str, ...], subprocess.Popen[bytes]]] = []
-"""The timing process `started_early` started and no timing has taken yet, with its command."""
+_WAITING: list[_Worker] = []
+"""Timing processes of this process that wait for jobs: one started early, or one that timed a
+tune's ops and waits for the next tune's (Note [A timing process waits for the next tune])."""
+
+
+# Note: [A timing process waits for the next tune]
+# A timing process spends about 3 s importing PyTorch before it times anything, longer than a
+# small model's whole tune takes besides; a process that tunes again (each new shape of batch,
+# each model of a notebook) paid it each time. So a timing process that has timed a CPU step's
+# ops stays, waiting for the next tune's jobs on stdin, with the heap it used given back to the
+# system; a card's is ended, since it holds a CUDA context (memory the step needs). It has fixed
+# its allocator threshold for the step it timed (Note [Fresh pages]), which it cannot undo: a
+# tune under another threshold starts a process of its own. A process that died meanwhile, or
+# that another process started (one this one was forked from), is not taken. It ends when this
+# process does (it reads the end of stdin), and `atexit` ends it first.
+def _take(threshold: int | None) -> _Worker | None:
+    """A waiting timing process that can time under ``threshold``, taken; those that cannot
+    time at all any more are ended."""
+    for worker in list(_WAITING):
+        if worker.alive() and worker.threshold in (_UNSET, threshold):
+            _WAITING.remove(worker)
+            return worker
+        if not worker.alive():
+            _WAITING.remove(worker)
+            worker.end()
+    return None
 
 
 # Note: [The timing process starts early]
@@ -278,45 +383,26 @@ _EARLY: list[tuple[tuple[str, ...], subprocess.Popen[bytes]]] = []
 # wait (benchmarks/results/README.md, "The timing process starts early"). `started_early`
 # starts it at the start of a tune, once the CPU's rates are measured (it would slow that
 # measurement), where it imports on another core while the step is traced (tracing is Python on
-# one core); the tune's first timing sends it its jobs. A tune that times nothing (a plan loaded
-# from the cache, timings known already) ends it unused. A process that died meanwhile is not
-# taken: the timing starts another, as it would have.
+# one core); the tune's first timing takes it. Where one waits already (Note [A timing process
+# waits for the next tune]), none is started. A tune that times nothing (a plan loaded from the
+# cache, timings known already) leaves it waiting. A process that died meanwhile is not taken:
+# the timing starts another, as it would have.
 @contextlib.contextmanager
 def started_early() -> Iterator[None]:
-    """Start the timing process now, for the first `time_ops` in the block to take (Note [The
-    timing process starts early]); one left untaken is ended on leaving it."""
-    try:
-        child = _spawn()
-    except OSError:  # the timing says so, when it comes
-        yield
-        return
-    _EARLY.append((_CHILD, child))
-    try:
-        yield
-    finally:
-        if (_CHILD, child) in _EARLY:  # untaken
-            _EARLY.remove((_CHILD, child))
-            _end(child)
+    """Start a timing process now, unless one waits already, for the first `time_ops` in the
+    block to take (Note [The timing process starts early])."""
+    if not any(worker.alive() for worker in _WAITING):
+        with contextlib.suppress(OSError):  # the timing says so, when it comes
+            _WAITING.append(_Worker.start())
+    yield
 
 
-def _end(child: subprocess.Popen[bytes]) -> None:
-    """End a timing process that was given no jobs, and reap it."""
-    if child.poll() is None:
-        child.kill()
-    child.wait()
-    for stream in (child.stdin, child.stdout):
-        if stream is not None:
-            stream.close()
+def _end_waiting() -> None:
+    while _WAITING:
+        _WAITING.pop().end()
 
 
-def _take_early() -> subprocess.Popen[bytes] | None:
-    """The process `started_early` started, if it runs the current command and still waits."""
-    while _EARLY:
-        command, child = _EARLY.pop()
-        if command == _CHILD and child.poll() is None:
-            return child
-        _end(child)
-    return None
+atexit.register(_end_waiting)
 
 
 def backend_settings() -> dict[str, Any]:
@@ -353,23 +439,40 @@ def _main() -> None:
         pass
     out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # whatever else prints, not in the pickles
-    device_name, threads, limit_s, settings, mapped_bytes, jobs = pickle.load(sys.stdin.buffer)
-    torch.set_num_threads(threads)
-    apply_backend_settings(settings)
-    device = torch.device(device_name)
-    if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current one
-        torch.cuda.set_device(device)
-    if device.type == "cpu":
-        # Note [Fresh pages]: glibc maps an allocation anew until it has freed a mapped
-        # one that large; a step's first allocations move its threshold to 32 MiB, and below it
-        # a step's tensors take memory its heap held before. Timed before, a 32 MiB add ran 4
-        # times as long as in a step. Under a CPU budget the step's threshold is fixed lower,
-        # and from there on its ops fault in their outputs and their scratch each time: they
-        # are timed so.
-        if mapped_bytes is not None and mapped_bytes < FRESH_PAGES_BYTES:
-            map_alone_from(mapped_bytes)
-        else:
-            torch.empty(FRESH_PAGES_BYTES - 4096, dtype=torch.uint8).fill_(0)
+    fixed: Any = _UNSET
+    while True:  # each tune's jobs (Note [A timing process waits for the next tune])
+        try:
+            device_name, threads, limit_s, settings, mapped_bytes, jobs = pickle.load(
+                sys.stdin.buffer
+            )
+        except EOFError:  # the process that started this one is done with it
+            return
+        torch.set_num_threads(threads)
+        apply_backend_settings(settings)
+        device = torch.device(device_name)
+        if device.type == "cuda" and device.index is not None:  # "cuda" alone: the current one
+            torch.cuda.set_device(device)
+        if device.type == "cpu" and fixed is _UNSET:
+            # Note [Fresh pages]: glibc maps an allocation anew until it has freed a mapped
+            # one that large; a step's first allocations move its threshold to 32 MiB, and below
+            # it a step's tensors take memory its heap held before. Timed before, a 32 MiB add
+            # ran 4 times as long as in a step. Under a CPU budget the step's threshold is fixed
+            # lower, and from there on its ops fault in their outputs and their scratch each
+            # time: they are timed so.
+            fixed = _threshold(mapped_bytes)
+            if fixed is not None:
+                map_alone_from(fixed)
+            else:
+                torch.empty(FRESH_PAGES_BYTES - 4096, dtype=torch.uint8).fill_(0)
+        _time_jobs(jobs, device, limit_s, out)
+        pickle.dump((len(jobs), _FINISHED), out)
+        out.flush()
+        gc.collect()
+        trim_heap()  # what the jobs' tensors took, given back while it waits
+
+
+def _time_jobs(jobs: list[bytes | None], device: torch.device, limit_s: float, out: Any) -> None:
+    """Time each job, within ``limit_s``, and send ``(position, seconds)`` for each."""
     started = time.perf_counter()
     bar = tqdm(jobs, desc="timing ops", unit="op", leave=False, disable=None)
     with torch.no_grad(), torch.autocast(device.type, enabled=False):

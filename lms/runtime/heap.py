@@ -29,6 +29,7 @@ benchmarks/results/README.md, "The resident set under a CPU budget".
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -44,6 +45,7 @@ __all__ = [
     "heap_in_use_bytes",
     "map_alone_from",
     "release_freed_memory",
+    "trim_heap",
 ]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -112,6 +114,13 @@ def map_alone_from(nbytes: int) -> bool:
     except AttributeError:  # not glibc
         return False
     return done
+
+
+def trim_heap() -> None:
+    """Give back to the system what the heap keeps free now (glibc's ``malloc_trim``); nothing
+    where the allocator is not glibc's."""
+    with contextlib.suppress(AttributeError):  # not glibc
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def current_rss_bytes() -> int:

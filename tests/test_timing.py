@@ -369,7 +369,8 @@ def test_a_timing_process_started_early_is_taken_and_waits_for_the_next_tune(mon
     """Notes [The timing process starts early] and [A timing process waits for the next tune]:
     the block's timing takes the process started at its start, which then waits; the next
     block starts none and its timing takes that one; a tune under another allocator threshold
-    starts a process of its own; all are ended as this process ends."""
+    starts a process of its own, as does one after they have waited too long; all are ended as
+    this process ends."""
     trace = _trace(_net())
     timing._end_waiting()  # none left by earlier tests to take
     spawned = []
@@ -384,5 +385,8 @@ def test_a_timing_process_started_early_is_taken_and_waits_for_the_next_tune(mon
     assert len(spawned) == 1  # the waiting one timed it
     assert time_ops(trace, CPU, mapped_bytes=2**20).timed > 0
     assert len(spawned) == 2 and all(process.poll() is None for process in spawned)
+    monkeypatch.setattr(timing, "_TAKEN_WITHIN_S", 0.0)  # both waited too long to be taken
+    assert time_ops(trace, CPU).timed > 0
+    assert len(spawned) == 3 and spawned[0].poll() is not None and spawned[2].poll() is None
     timing._end_waiting()  # as at exit
     assert all(process.poll() is not None for process in spawned) and not timing._WAITING

@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -265,6 +266,7 @@ def _run_child(
     finally:  # an interrupt (Ctrl-C) included: a process not done is ended
         if finished and device.type == "cpu":
             worker.threshold = _threshold(mapped_bytes)
+            worker.since = time.monotonic()
             _WAITING.append(worker)
         else:
             worker.end(dying=ended)
@@ -273,6 +275,11 @@ def _run_child(
 
 _FINISHED = "finished"
 """What the timing process sends once it has sent every job's time."""
+_WAIT_S = 120.0
+"""How long a timing process waits for the next tune's jobs before it ends."""
+_TAKEN_WITHIN_S = _WAIT_S - 20.0
+"""How long after it last timed (or started) a waiting timing process is taken: well before it
+ends, so that jobs sent never meet one ending."""
 _DYING_S = 5.0
 """How long a timing process that closed its output is given to exit before it is killed."""
 _UNSET = object()
@@ -295,6 +302,7 @@ class _Worker:
         self.command = _CHILD
         self.owner = os.getpid()
         self.threshold: Any = _UNSET
+        self.since = time.monotonic()  # started, or last done timing
         self.said: queue.Queue[tuple[int, Any] | None] = queue.Queue()
         threading.Thread(target=self._listen, daemon=True).start()
 
@@ -322,8 +330,13 @@ class _Worker:
             pass
 
     def alive(self) -> bool:
-        """Whether it runs the current command, for this process, still."""
-        return self.owner == os.getpid() and self.command == _CHILD and self.process.poll() is None
+        """Whether it runs the current command, for this process, and will still take jobs."""
+        return (
+            self.owner == os.getpid()
+            and self.command == _CHILD
+            and self.process.poll() is None
+            and time.monotonic() - self.since < _TAKEN_WITHIN_S
+        )
 
     def end(self, dying: bool = False) -> None:
         """End it, if this process started it, and reap it; ``dying``: it closed its output,
@@ -359,7 +372,9 @@ tune's ops and waits for the next tune's (Note [A timing process waits for the n
 # small model's whole tune takes besides; a process that tunes again (each new shape of batch,
 # each model of a notebook) paid it each time. So a timing process that has timed a CPU step's
 # ops stays, waiting for the next tune's jobs on stdin, with the heap it used given back to the
-# system; a card's is ended, since it holds a CUDA context (memory the step needs). It has fixed
+# system, for `_WAIT_S` at most (it holds some 300 MB of its own, PyTorch's state included,
+# which a process that trains afterwards should have back); a card's is ended, since it holds a CUDA
+# context (memory the step needs). One is taken only well within that wait. It has fixed
 # its allocator threshold for the step it timed (Note [Fresh pages]), which it cannot undo: a
 # tune under another threshold starts a process of its own. A process that died meanwhile, or
 # that another process started (one this one was forked from), is not taken. It ends when this
@@ -441,6 +456,8 @@ def _main() -> None:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # whatever else prints, not in the pickles
     fixed: Any = _UNSET
     while True:  # each tune's jobs (Note [A timing process waits for the next tune])
+        if not select.select([sys.stdin], [], [], _WAIT_S)[0]:
+            return  # none came: its memory goes back to the system
         try:
             device_name, threads, limit_s, settings, mapped_bytes, jobs = pickle.load(
                 sys.stdin.buffer

@@ -648,21 +648,21 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
         return weights + relayout + (made if transposed else 0)
     pad = _blocked(given), _blocked(grad_out)
     pointwise = math.prod(weight.shape[2:]) == 1
+    # the blocked input beside the output; one of fewer channels than a block is read as it is
+    source = pad[0] if given.size(1) >= _CHANNEL_BLOCK else 0
     if not backward:
         if transposed:
             return weights + 2 * pad[1]
         if pointwise and given.element_size() < 4:  # its output four or five times over
             few = grad_out.size(1) < _CHANNEL_BLOCK
             return weights + pad[0] + (5 if few else 4) * pad[1]  # its input as a whole block
-        # the output made blocked, beside the blocked input (one of fewer channels than a block
-        # is read as it is), then copied out into a tensor of its own channels
-        source = pad[0] if given.size(1) >= _CHANNEL_BLOCK else 0
+        # the output made blocked, beside the input, then copied out into a tensor of its own
+        # channels
         return weights + max(source + pad[1] - made, pad[1])
     input_grad = pad[0] if args[10][0] else 0
     if strided and not transposed and given.element_size() == 4:
         if input_grad:  # twice its input, or half as much again as its output gradient
             return max(weights + relayout + max(2 * pad[0], pad[1] * 3 // 2), shallow)
-        source = pad[0] if given.size(1) >= _CHANNEL_BLOCK else 0
         return max(weights + relayout + pad[1] + source, shallow)
     if strided or transposed:
         return max(weights + relayout + pad[1] + pad[0] + max(input_grad, widened), shallow)
@@ -682,15 +682,12 @@ def _one_row(args: Any, out: Any, backward: bool) -> tuple[Any, Any]:
     in the settings led by that of the row."""
     tensors = 3 if backward else 2  # (output gradient,) input, weight
     given = 1 if backward else 0
-    row = [a.unsqueeze(2) for a in args[:tensors]]
-    row[given] = args[given].contiguous().unsqueeze(2)
+    row = [(a.contiguous() if i == given else a).unsqueeze(2) for i, a in enumerate(args[:tensors])]
     first = 4 if backward else 3  # stride, padding, dilation, transposed, output padding
     lists = [[lead, *args[first + i]] for i, lead in ((0, 1), (1, 0), (2, 1))]
     settings = [*lists, args[first + 3], [0, *args[first + 4]], *args[first + 5 :]]
     middle = list(args[tensors:first])  # the bias, or its sizes
-    if backward:
-        return [*row, *middle, *settings], out
-    return [*row, *middle, *settings], out.unsqueeze(2)
+    return [*row, *middle, *settings], out if backward else out.unsqueeze(2)
 
 
 def _padded_depthwise(

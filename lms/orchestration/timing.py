@@ -383,12 +383,12 @@ def _take(threshold: int | None) -> _Worker | None:
     """A waiting timing process that can time under ``threshold``, taken; those that cannot
     time at all any more are ended."""
     for worker in list(_WAITING):
-        if worker.alive() and worker.threshold in (_UNSET, threshold):
-            _WAITING.remove(worker)
-            return worker
         if not worker.alive():
             _WAITING.remove(worker)
             worker.end()
+        elif worker.threshold in (_UNSET, threshold):
+            _WAITING.remove(worker)
+            return worker
     return None
 
 

@@ -108,11 +108,10 @@ def map_alone_from(nbytes: int) -> bool:
     pages of its own from then on, given back when it is freed; and give back what the heap
     keeps now. False where the allocator is not glibc's."""
     try:
-        libc = ctypes.CDLL(None)
-        done = bool(libc.mallopt(_M_MMAP_THRESHOLD, nbytes))
-        libc.malloc_trim(0)
+        done = bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, nbytes))
     except AttributeError:  # not glibc
         return False
+    trim_heap()
     return done
 
 

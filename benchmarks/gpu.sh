@@ -11,7 +11,8 @@
 #                                     # minutes and 30 s)
 #   benchmarks/gpu.sh truth           # step records of the seed's cases, each replayed beside
 #                                     # what it measured (benchmarks/truth.py; at most 6 minutes,
-#                                     # 7 files: a record each and summary.json)
+#                                     # 7 files: a record each and summary.json;
+#                                     # TRUTH_ONLY=name,name for some cases)
 #   benchmarks/gpu.sh headline        # the seed's ResNet50 figures first, for a short lease
 #                                     # (about 6 minutes): 12650 px with free_held (10x), then
 #                                     # the 4x sweep, save_on_cpu beside LMS
@@ -79,7 +80,8 @@ print(info); json.dump(info, open('$out/link.json', 'w'), indent=2)
     resnet50_9x) train_32gb resnet50_9x "${SIZES:-12000}" ;;
     # The blocks live at the peak of tests/gpu's 5% check, beside its simulated tensor peak
     peak_blocks) $PY benchmarks/peak_blocks.py --json "$out/peak_blocks.json" ;;
-    truth) $PY benchmarks/truth.py --out "$out" --time-limit "${TRUTH_S:-330}" || echo "truth: some cases failed" ;;
+    truth) $PY benchmarks/truth.py --out "$out" --time-limit "${TRUTH_S:-330}" \
+      ${TRUTH_ONLY:+--only "$TRUTH_ONLY"} || echo "truth: some cases failed" ;;
     headline)
       train_32gb resnet50_10x "${SIZES:-12650}" --free-held
       sweep resnet50_4x resnet50 4000,8000 300 --methods none,lms,save_on_cpu ;;

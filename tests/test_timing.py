@@ -191,6 +191,21 @@ def test_calls_that_name_a_memory_format_are_timed():
     assert set(results) == {0, 1} and None not in results.values(), results
 
 
+def test_attentions_dropout_state_is_made_up_on_the_host():
+    """An attention backward reads its dropout's seed and offset on the host, as its forward
+    returns them; the trace has them on the step's device. Made up there on a card, the timing
+    process died. Here the step's device is the meta device, standing for a card."""
+    op = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+    qkv = TensorMeta((2, 4, 64, 16), (4096, 1024, 16, 1), torch.float32, "meta")
+    lse = TensorMeta((2, 4, 64), (256, 64, 1), torch.float32, "meta")
+    scalar = TensorMeta((), (), torch.int64, "meta")
+    args = (qkv, qkv, qkv, qkv, None, qkv, lse, scalar, scalar, 0.1, [True, True, True, False])
+    made, kwargs = timing._made_up_call(op, args, {"scale": None}, torch.device("meta"))
+    assert [t.device.type for t in made[7:9]] == ["cpu", "cpu"]
+    assert {t.device.type for t in (*made[:4], *made[5:7])} == {"meta"}
+    assert made[9:] == args[9:] and made[4] is None and kwargs == {"scale": None}
+
+
 def test_the_simulator_takes_the_times_for_the_trace_timed_alone():
     trace = _trace(_net())
     other = _trace(_net(), batch=16)

@@ -154,14 +154,38 @@ def _sendable(value: Any) -> Any:
     return value
 
 
-def _received(value: Any, device: torch.device) -> Any:
-    """A job's argument as the timing process runs it: a tensor made up on ``device``, a memory
-    format from its name, anything else as it is."""
+_ON_THE_HOST = frozenset({"philox_seed", "philox_offset"})
+"""Tensor arguments a kernel reads on the host: the random state of attention's dropout, which
+the flash and memory-efficient attention forwards return as CPU scalars outside a CUDA graph's
+capture. Their meta kernels put them on the step's device, and so does the trace; made up on the
+card, the backward reads a device pointer on the host, and the timing process dies."""
+
+
+def _received(value: Any, device: torch.device, host: bool = False) -> Any:
+    """A job's argument as the timing process runs it: a tensor made up on ``device`` (on the
+    CPU where ``host``), a memory format from its name, anything else as it is."""
     if isinstance(value, TensorMeta):
-        return _made_up(value, device)
+        return _made_up(dataclasses.replace(value, device="cpu") if host else value, device)
     if isinstance(value, _MemoryFormat):
         return getattr(torch, value.name)
     return value
+
+
+def _made_up_call(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A job's arguments made up for ``op`` on ``device``, those of `_ON_THE_HOST` on the CPU."""
+    names = [argument.name for argument in op._schema.arguments]
+
+    def made(name: str, value: Any) -> Any:
+        host = name in _ON_THE_HOST
+        return tree_map(lambda leaf: _received(leaf, device, host), value)
+
+    named = (names[index] if index < len(names) else "" for index in range(len(args)))
+    return (
+        tuple(made(name, value) for name, value in zip(named, args, strict=True)),
+        {name: made(name, value) for name, value in kwargs.items()},
+    )
 
 
 def _time_in_child(
@@ -519,7 +543,7 @@ def _time_call(
     try:
         namespace, packet, overload = name.split(".")
         op = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
-        args, kwargs = tree_map(lambda value: _received(value, device), (args, kwargs))
+        args, kwargs = _made_up_call(op, args, kwargs, device)
         op(*args, **kwargs)  # warm-up
         sync()
         runs: list[float] = []

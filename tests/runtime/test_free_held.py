@@ -270,7 +270,9 @@ GAPPED_NET = textwrap.dedent(
         def forward(self, x):
             x = self.stem(x)
             wide = self.expand(torch.relu(self.squeeze(x)))
-            return self.head(torch.cat([x, torch.relu(wide.mean(1, keepdim=True))], 1))
+            mean = torch.relu(wide.mean(1, keepdim=True))
+            del wide  # held to the cat, it would set a card's floor there, where x is read
+            return self.head(torch.cat([x, mean], 1))
     """
 )
 GAPPED = (

@@ -14,7 +14,11 @@ runtime's own ops inside its hooks are marked ``runtime``, recomputations ``repl
 What the recorder does at each op is host time the step did not have unrecorded, and where the
 card runs ops faster than the host queues them it shows as the card idle between ops
 (`lms.report.replay.Replay.measured_idle_s`). So an op costs two events and one read of the
-allocator's statistics, and nothing else until the step ends.
+allocator's statistics, and nothing else until the step ends; an op that runs no kernel (a view,
+a `set_`, an `empty`) costs no events, its start and end being the last op's end, and one that
+allocates nothing (all but `empty`) takes the last op's reading of the allocator. Such ops are
+half or more of a step's: a detach for each tensor autograd saves, and the runtime's own detach
+and `set_` in its hooks.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class StepLog:
         self._start_bytes = 0
         self._counters: dict[str, float] = {}
         self._memory: Callable[[], tuple[int, int]] = _heap_bytes
+        self._last: tuple[Any, int, int] = (0.0, 0, 0)  # the last op's end and allocator reading
         self.mark: Callable[[], Any] = time.perf_counter
         """Now, on the step's clock: a CUDA event on the current stream, or the wall clock."""
         if self.cuda:
@@ -91,6 +96,7 @@ class StepLog:
             self._peak = PeakMemory(interval_s=0.01).__enter__()
             self._start_bytes = heap_in_use_bytes() or 0
         self._wall0 = time.perf_counter()
+        self._last = (self._start if self.cuda else self._wall0, *self._memory())
         self._mode = _OpTimer(self)
         self._mode.__enter__()
 
@@ -217,7 +223,16 @@ class StepLog:
 
     def _note_op(self, name: str, start: Any, end: Any) -> None:
         allocated, reserved = self._memory()
+        self._last = (end, allocated, reserved)
         self._ops.append((name, self._section, in_backward(), start, end, allocated, reserved))
+
+    def _note_still(self, name: str, allocates: bool) -> None:
+        """An op that ran no kernel, at the last op's end (Note [One clock for a step record])."""
+        end, allocated, reserved = self._last
+        if allocates:
+            allocated, reserved = self._memory()
+            self._last = (end, allocated, reserved)
+        self._ops.append((name, self._section, in_backward(), end, end, allocated, reserved))
 
 
 class _OpTimer(TorchDispatchMode):
@@ -229,9 +244,14 @@ class _OpTimer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         log = self.log
+        name, kernel, allocates = _about(func)
+        if not kernel:
+            out = func(*args, **(kwargs or {}))
+            log._note_still(name, allocates)
+            return out
         start = log.mark()
         out = func(*args, **(kwargs or {}))
-        log._note_op(_name(func), start, log.mark())
+        log._note_op(name, start, log.mark())
         return out
 
 
@@ -241,6 +261,14 @@ def _heap_bytes() -> tuple[int, int]:
     return heap_in_use_bytes() or 0, 0
 
 
+_ALLOCATE_ONLY = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided"})
+"""Ops that allocate and run no kernel."""
+
+
 @functools.cache
-def _name(func: Any) -> str:
-    return str(func)
+def _about(func: Any) -> tuple[str, bool, bool]:
+    """An op's name, whether it runs a kernel, and whether it allocates without one."""
+    packet = getattr(getattr(func, "overloadpacket", None), "__name__", "")
+    allocates = packet in _ALLOCATE_ONLY
+    still = getattr(func, "is_view", False) or packet == "set_" or allocates
+    return str(func), not still, allocates

@@ -91,6 +91,24 @@ def test_record_holds_each_copy_wait_and_op_and_reads_back_equal(spill_dir, tmp_
     assert result.measured_copy_s > 0 and result.predicted_copy_s > 0
 
 
+def test_an_op_that_runs_no_kernel_is_recorded_without_marks_of_its_own(spill_dir):
+    """Note [One clock for a step record]: views, `set_` and `empty` (the runtime's own among
+    them) take the last op's end as their start and end; a view reads no allocator either."""
+    _, _, offload = _recorded(spill_dir)
+    ops = offload.step_record().steps[-1].ops
+    still = [
+        (before, op)
+        for before, op in zip(ops, ops[1:], strict=False)
+        if op.name.split(".")[1] in ("detach", "view", "set_", "empty", "t")
+    ]
+    assert {op.section for _, op in still} == {"step", "runtime"}, still
+    assert all(op.start_s == op.end_s == before.end_s for before, op in still), still
+    views = [(before, op) for before, op in still if op.name.split(".")[1] != "empty"]
+    assert all(op.allocated_bytes == before.allocated_bytes for before, op in views)
+    kernels = [op for op in ops if op.name.split(".")[1] in ("convolution", "relu")]
+    assert kernels and all(op.end_s > op.start_s for op in kernels)
+
+
 def test_recording_changes_no_bit_of_a_recomputing_plan(spill_dir):
     from lms.analysis import trace_step
 

@@ -164,8 +164,9 @@ class Replays:
             # replay against a checksum of what forward made; one that differs is warned about,
             # and that storage is offloaded from the next step on.
             recipe.checksum = checksum(storage, entry.device)
-        for source in recipe.inputs:
-            source.handles += 1  # kept until this entry is released
+        for source in recipe.inputs:  # kept until this entry is released
+            source.handles += 1
+            source.replays += 1
         entry.note_copied()
         entry.recipe = recipe
         entry.storage = None

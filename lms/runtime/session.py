@@ -452,6 +452,7 @@ class Session:
             self._by_storage[slot] = (weakref.ref(storage), entry)
             self._relief.note(step, self.plan, entry, tensor)
         entry.handles += 1
+        entry.saves += 1
         return Handle(self._drop_handle, entry, tensor)
 
     def _wrap(self, step: Step, tensor: torch.Tensor) -> Wrapped | None:
@@ -691,9 +692,13 @@ class Session:
                 step.first_use.setdefault(entry.ordinal, step.level)
                 self._prefetch_after(step, entry)
             entry.uses += 1
-            # A storage saved as several views stays loaded until each view was read once,
-            # unless the plan reads it back for each use.
-            hold = entry.uses % entry.handles != 0 and not self._follow.refetches(step, entry)
+            # A storage saved as several views stays loaded until each view was read once and
+            # no replay still to come reads it, unless the plan reads it back for each use.
+            # (Handles, which count both, fall as autograd lets go of what it read: a count of
+            # reads taken against them let go of a storage read twice before its third read.)
+            hold = (entry.uses % entry.saves != 0 or entry.replays > 0) and not (
+                self._follow.refetches(step, entry)
+            )
             if entry.recipe is not None:
                 with self._log.section("replay") if self._log else contextlib.nullcontext():
                     storage, waited = self._replays.remake(entry, hold=hold)
@@ -809,6 +814,8 @@ class Session:
             self._live.pop(entry.key, None)
             recipe, entry.recipe = entry.recipe, None
             if recipe is not None:
+                for source in recipe.inputs:
+                    source.replays -= 1
                 self._dropped.extend(recipe.inputs)
             if not self._active and not self._live:
                 self._offloader.tidy()

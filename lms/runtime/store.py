@@ -38,6 +38,8 @@ class Entry:
         "nbytes",
         "storage",
         "handles",
+        "saves",
+        "replays",
         "offloaded",
         "host_buf",
         "on_disk",
@@ -67,7 +69,9 @@ class Entry:
         self.device = device
         self.nbytes = storage.nbytes()
         self.storage: torch.UntypedStorage | None = storage
-        self.handles = 0
+        self.handles = 0  # saves alive, and replays that read it not yet let go of
+        self.saves = 0  # tensors saved on it this step
+        self.replays = 0  # recomputed entries whose recipe reads it, not yet let go of
         self.offloaded = False
         self.host_buf: torch.Tensor | None = None
         self.on_disk = False

@@ -32,7 +32,7 @@ from lms.core.units import format_bytes
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-__all__ = ["OpGap", "Replay", "replay", "format_replay", "plot_replay"]
+__all__ = ["OpGap", "Release", "Replay", "replay", "format_replay", "plot_replay"]
 
 SLOW_SHARE = 0.10
 """How far apart an op's priced and measured times must be to be listed (`Replay.off_ops`)."""
@@ -47,6 +47,25 @@ class OpGap:
     module: str
     planned_s: float
     measured_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Release:
+    """An op during which the CUDA caching allocator gave back memory it had cached.
+
+    Note: [The allocator gives memory back]
+    Under a cap (a budget, `torch.cuda.set_per_process_memory_fraction`) the caching allocator
+    that cannot fit a request in the blocks it has cached, nor reserve more, frees every cached
+    block it can and tries again: the card synchronizes, and the memory is unmapped and mapped
+    anew, which takes milliseconds a gigabyte. The op that asked runs that long on the step's
+    clock. The simulator counts tensors, not the allocator's blocks, so a replay names these ops
+    apart from the ops priced far off."""
+
+    position: int
+    """The op's place among the step's ops (`lms.core.steprecord.StepTimes.ops`)."""
+    name: str
+    released_bytes: int
+    took_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +110,9 @@ class Replay:
     off_ops: tuple[OpGap, ...]
     """The first ops (in order) whose priced time is more than `SLOW_SHARE` off the measured one,
     among those that take at least a thousandth of the step."""
+    releases: tuple[Release, ...] = ()
+    """The ops during which the allocator gave back cached memory (Note [The allocator gives
+    memory back]); none on a CPU."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready values."""
@@ -156,7 +178,21 @@ def replay(record: StepRecord, *, step: int | None = None) -> Replay:
         matched_ops=matched,
         trace_ops=len(trace.ops),
         off_ops=_off_ops(record, measured, op_seconds(trace, spec, half), times.step_s),
+        releases=_releases(times) if cuda else (),
     )
+
+
+def _releases(times: StepTimes) -> tuple[Release, ...]:
+    """The ops after which the allocator had reserved less than before them."""
+    found = []
+    before = times.ops[0].reserved_bytes if times.ops else 0
+    for position, op in enumerate(times.ops):
+        if op.reserved_bytes < before:
+            found.append(
+                Release(position, op.name, before - op.reserved_bytes, op.end_s - op.start_s)
+            )
+        before = op.reserved_bytes
+    return tuple(found)
 
 
 def _replayed(record: StepRecord, measured: list[float | None]) -> tuple[DeviceSpec, Clock]:
@@ -296,6 +332,17 @@ def format_replay(result: Replay) -> str:
         if result.floor_s > 0
         else "",
     ]
+    if result.releases:
+        lines.append(
+            f"[LMS] The allocator gave back cached memory {len(result.releases)} times "
+            f"({format_bytes(sum(r.released_bytes for r in result.releases))}), in ops that took "
+            f"{sum(r.took_s for r in result.releases):.4f} s, unmapping and mapping it again:"
+        )
+        for release in result.releases[:10]:
+            lines.append(
+                f"  op {release.position:>5} of the step {release.name:<40} gave back "
+                f"{format_bytes(release.released_bytes):>10}, took {release.took_s * 1e3:9.3f} ms"
+            )
     if result.off_ops:
         lines.append(f"[LMS] First ops priced more than {SLOW_SHARE:.0%} off what they took:")
         for gap in result.off_ops:

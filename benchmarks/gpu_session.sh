@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# One call on a lent card (at most about 600 s), most wanted first, so that a call stopped at its
-# limit loses the least: an unrecorded step to set the records' cost against, the step records of
-# the seed's cases (gpu.sh truth, at most TRUTH_S seconds; the 3D U-Net at 368^3 left out: no plan
-# of it has fitted 32 GiB), GPT-2 medium under LMS unrecorded, the GPU tests, then GPT-2 medium
-# without offload and with Hugging Face's gradient checkpointing. What comes back under $OUT: the
-# six records and log.txt, which holds everything printed and the truth's summary.json.
+# What a lent card runs, in two calls that fit one lease (15 minutes of device time; a call starts
+# in about 35 s, and the second finds the card warm if it follows at once), most wanted first so
+# that a call stopped at its limit loses the least:
 #
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh
-#   OUT=/tmp/out bash benchmarks/gpu_session.sh peers   # some parts: plain truth gpt2 tests peers
+#   OUT=$OUT bash benchmarks/gpu_session.sh plain truth        # about 450 s: timeout_s 520
+#   OUT=$OUT bash benchmarks/gpu_session.sh gpt2 tests peers blocks  # about 280 s: 330
+#
+# plain: an unrecorded ResNet50 step to set the records' cost against; truth: the step records
+# of the seed's cases (gpu.sh truth, at most TRUTH_S seconds; ResNet50 at 12650 px last, the 3D
+# U-Net at 368^3 left out: no plan of it has fitted 32 GiB); gpt2: GPT-2 medium under LMS
+# unrecorded; tests: pytest tests/gpu; peers: GPT-2 medium without offload and with Hugging
+# Face's gradient checkpointing; blocks: the allocator blocks live at the peak of the GPU tests'
+# 5% check (gpu.sh peak_blocks). What comes back under $OUT: the records and peak_blocks.json,
+# and log.txt, which holds everything printed and the truth's summary.json.
 #
 # Packages the card's image lacks travel as wheels in .whl/: platformdirs (a dependency of lms;
 # without it every tune fails) and MONAI (the 3D U-Net).
@@ -24,7 +29,7 @@ said() {  # the figures of a `lms train --json` file
   python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print({k: d.get(k) for k in
     ('model', 'method', 'size', 'batch_size', 'step_s', 'peak_bytes', 'lms_stats', 'plan')})" "$1"
 }
-parts=" ${*:-plain truth gpt2 tests peers} "
+parts=" ${*:-plain truth gpt2 tests peers blocks} "
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch; print('torch', torch.__version__)"
@@ -35,7 +40,7 @@ parts=" ${*:-plain truth gpt2 tests peers} "
       --json /tmp/plain.json && said /tmp/plain.json
   fi
   if [[ $parts == *" truth "* ]]; then
-    LMS_RESULTS=$out TRUTH_S=${TRUTH_S:-320} timeout "$((${TRUTH_S:-320} + 40))" \
+    LMS_RESULTS=$out TRUTH_S=${TRUTH_S:-420} timeout "$((${TRUTH_S:-420} + 40))" \
       env TRUTH_ONLY="${TRUTH_ONLY:-resnet50_4000_none,resnet50_4000_lms,resnet50_8000_lms,unet3d_256_lms,gpt2_1024_lms,resnet50_12650_lms}" \
       bash benchmarks/gpu.sh truth
     echo "== summary.json"
@@ -48,7 +53,7 @@ parts=" ${*:-plain truth gpt2 tests peers} "
   fi
   if [[ $parts == *" tests "* ]]; then
     echo "== pytest tests/gpu"
-    timeout "${TESTS_S:-120}" python3 -m pytest tests/gpu -q -rf -p no:cacheprovider --durations=8
+    timeout "${TESTS_S:-150}" python3 -m pytest tests/gpu -q -rf -p no:cacheprovider --durations=8
   fi
   if [[ $parts == *" peers "* ]]; then
     echo "== GPT-2 medium peers"
@@ -56,6 +61,10 @@ parts=" ${*:-plain truth gpt2 tests peers} "
       --methods none,hf_checkpoint --steps 3 --time-limit "$((${PEERS_S:-70} - 30))" \
       --json /tmp/peers.json
     cat /tmp/peers.json  # not --json /dev/stdout: opening it for writing would empty this log
+  fi
+  if [[ $parts == *" blocks "* ]]; then
+    echo "== the allocator's blocks at the 5% check's peak"
+    LMS_RESULTS=$out timeout "${BLOCKS_S:-60}" bash benchmarks/gpu.sh peak_blocks
   fi
 } > "$out/log.txt" 2>&1
 tail -80 "$out/log.txt"

@@ -101,6 +101,18 @@ class Entry:
         self.copied_version = base._version if base is not None else None
 
 
+def _finished(pending: Any, *, wait: bool = False) -> bool:
+    """Whether a copy out (a CUDA event, or a spill file's write) has finished; ``wait``: once
+    it has."""
+    if isinstance(pending, concurrent.futures.Future):
+        if wait:
+            concurrent.futures.wait([pending])
+        return pending.done()
+    if wait:
+        pending.synchronize()
+    return bool(pending.query())
+
+
 class Offloader:
     """Moves entries' bytes to host buffers or spill files and back, for one device type."""
 
@@ -232,10 +244,16 @@ class Offloader:
             self._pending.append(entry)
 
     def _complete(self, entry: Entry, *, wait: bool) -> bool:
-        """Drop the device storage once its copy out has finished; True when done."""
+        """Drop the device storage once its copy out has finished; True when done. A wait for
+        one still running is a wait of the step's (the record's, Note [One clock for a step
+        record])."""
         pending = entry.pending_out
         if pending is None:
             return True
+        if wait and self.log is not None and not _finished(pending):
+            mark = self.log.mark()
+            _finished(pending, wait=True)
+            self.log.wait(entry.ordinal, mark, self.log.mark())
         if isinstance(pending, concurrent.futures.Future):
             if not wait and not pending.done():
                 return False

@@ -117,3 +117,25 @@ def test_backward_lets_go_of_device_storages_whose_copies_out_finished(monkeypat
         loss.backward()
     assert seen and all(seen[0]), seen
     offload.close()
+
+
+def test_a_wait_for_a_copy_out_is_a_wait_of_the_step_record():
+    """The runtime waits for the oldest copy out while the copies in flight would take the step
+    past its budget; a record counts that as a wait (on a card, the host stood still and the
+    compute stream ran dry), and one already finished as none."""
+    from lms.runtime.steplog import StepLog
+
+    offloader = Offloader(tier="host", host_limit_bytes=2**20, spill_dir=None, sync_out=False)
+    log = StepLog(torch.device("cpu"))
+    offloader.record_to(log)
+    running = _offloaded(offloader)
+    done = _offloaded(offloader)
+    done.ordinal = 1
+    done.pending_out.done = True
+    log.begin(1, {})
+    offloader.wait_oldest()
+    offloader.wait_oldest()
+    log.end({})
+    (step,) = log.steps
+    assert [wait.ordinal for wait in step.waits] == [running.ordinal]
+    assert running.pending_out is None and done.pending_out is None

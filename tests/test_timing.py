@@ -204,6 +204,13 @@ def test_attentions_dropout_state_is_made_up_on_the_host():
     assert [t.device.type for t in made[7:9]] == ["cpu", "cpu"]
     assert {t.device.type for t in (*made[:4], *made[5:7])} == {"meta"}
     assert made[9:] == args[9:] and made[4] is None and kwargs == {"scale": None}
+    # flash attention's state on an NVIDIA card, two unsigned words, stays on the card
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    state = TensorMeta((2,), (1,), torch.uint64, "meta")
+    offset = TensorMeta((), (), torch.uint64, "meta")
+    args = (qkv, qkv, qkv, qkv, qkv, lse, None, None, 64, 64, 0.1, False, state, offset)
+    made, _ = timing._made_up_call(flash, args, {}, torch.device("meta"))
+    assert [t.device.type for t in made[12:]] == ["meta", "meta"]
 
 
 def test_the_simulator_takes_the_times_for_the_trace_timed_alone():

@@ -155,17 +155,22 @@ def _sendable(value: Any) -> Any:
 
 
 _ON_THE_HOST = frozenset({"philox_seed", "philox_offset"})
-"""Tensor arguments a kernel reads on the host: the random state of attention's dropout, which
-the flash and memory-efficient attention forwards return as CPU scalars outside a CUDA graph's
-capture. Their meta kernels put them on the step's device, and so does the trace; made up on the
-card, the backward reads a device pointer on the host, and the timing process dies."""
+"""Arguments that may hold the random state of attention's dropout. Where they are 64-bit
+integer scalars, the memory-efficient attention forward (and flash attention's on AMD) returns
+them on the CPU outside a CUDA graph's capture, and its backward reads them on the host; their
+meta kernels put them on the step's device, and so does the trace. Made up on the card, the
+backward read a device pointer on the host and the timing process died. Flash attention's state
+on NVIDIA cards, two unsigned words, lives on the card, and is made up there."""
 
 
 def _received(value: Any, device: torch.device, host: bool = False) -> Any:
     """A job's argument as the timing process runs it: a tensor made up on ``device`` (on the
-    CPU where ``host``), a memory format from its name, anything else as it is."""
+    CPU where ``host`` and it is a 64-bit integer scalar), a memory format from its name,
+    anything else as it is."""
     if isinstance(value, TensorMeta):
-        return _made_up(dataclasses.replace(value, device="cpu") if host else value, device)
+        if host and value.shape == () and value.dtype == torch.int64:
+            value = dataclasses.replace(value, device="cpu")
+        return _made_up(value, device)
     if isinstance(value, _MemoryFormat):
         return getattr(torch, value.name)
     return value
@@ -174,7 +179,8 @@ def _received(value: Any, device: torch.device, host: bool = False) -> Any:
 def _made_up_call(
     op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A job's arguments made up for ``op`` on ``device``, those of `_ON_THE_HOST` on the CPU."""
+    """A job's arguments made up for ``op`` on ``device``, those of `_ON_THE_HOST` that are
+    integer scalars on the CPU."""
     names = [argument.name for argument in op._schema.arguments]
 
     def made(name: str, value: Any) -> Any:

@@ -221,6 +221,15 @@ def allocator_bytes(device: torch.device) -> tuple[int, int]:
     )
 
 
+def allocator_retries() -> int:
+    """How often the caching allocator of the current CUDA device has freed its cached blocks to
+    fit a request and tried again (Note [The allocator gives memory back]); 0 where CUDA is not
+    in use. One read of its statistics."""
+    if not torch.cuda.is_initialized():
+        return 0
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+
 def timing_event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
     """A timing event recorded now on ``stream`` (the current one by default): a mark on the
     card's own clock for a step record (`lms.runtime.steplog`)."""

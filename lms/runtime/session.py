@@ -40,6 +40,7 @@ from lms.core.slabs import split_modules
 from lms.core.steprecord import StepRecord
 from lms.core.sync import SyncMode
 from lms.core.units import format_bytes
+from lms.runtime._cuda import allocator_retries
 from lms.runtime.follow import Follow
 from lms.runtime.heap import release_freed_memory
 from lms.runtime.pool import available_host_bytes
@@ -133,6 +134,8 @@ class Session:
         self._relief = Relief(self._offloader, self.stats, self._lock, self._keep, self._keys)
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
         self._log: StepLog | None = None
+        self._retries = 0  # the allocator's retries when the step began
+        self._retries_said = False
         self._tuned: tuple[Trace, DeviceSpec, bool] | None = None  # what `tune` planned from
 
     @property
@@ -207,6 +210,7 @@ class Session:
             self.stats.steps += 1
             self._step.light = self._follow.runs_light()
             leave_modules()
+            self._retries = allocator_retries()
         # Note: [Hooks stay out of compiled graphs]
         # A model compiled in place runs the global module hook inside its compiled frame, and
         # the saved-tensor hooks where forward saves: torch.compile must call them as they are,
@@ -255,6 +259,7 @@ class Session:
         with self._lock:
             self._release_dropped()
             step = self._step
+            self._count_retries(step)
             if step is not None and not step.light:
                 step.note_held_outside()
             if step is not None and step.number == 1 and step.entries:
@@ -275,6 +280,23 @@ class Session:
             if not self._live:
                 self._offloader.tidy()
             self._offloader.raise_error()
+
+    def _count_retries(self, step: Step | None) -> None:
+        """Count the allocator's retries during ``step``; say so, once (Note [The allocator
+        gives memory back])."""
+        retries = allocator_retries() - self._retries
+        if retries <= 0:
+            return
+        self.stats.allocator_retries += retries
+        if not self._retries_said:
+            self._retries_said = True
+            log.warning(
+                "[LMS] step %d: the CUDA caching allocator found no room under its cap %d "
+                "time(s), freed its cached blocks and mapped memory again, each time stopping "
+                "the card for milliseconds a gigabyte; a budget lower than the cap leaves it room",
+                step.number if step is not None else 0,
+                retries,
+            )
 
     @property
     def host_limit_bytes(self) -> int:

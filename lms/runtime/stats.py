@@ -60,6 +60,10 @@ class LMSStats:
     """Largest host memory held by offloaded data."""
     peak_disk_bytes: int = 0
     """Largest disk space held by spill files."""
+    allocator_retries: int = 0
+    """Times the CUDA caching allocator, finding no room under its cap, freed its cached blocks
+    and tried again during the steps: each synchronizes the card and maps memory anew (Note [The
+    allocator gives memory back]). 0 on a CPU."""
 
     def as_dict(self) -> dict[str, float]:
         """The counters as a plain dict."""

@@ -456,3 +456,22 @@ def test_a_subclass_saved_inside_no_offload_stays_whole(spill_dir):
     assert offload.stats.offloaded_tensors == 0
     assert offload.stats.kept_tensors == offload.stats.saved_tensors == 2
     offload.close()
+
+
+def test_the_allocators_retries_during_a_step_are_counted_and_said_once(
+    spill_dir, monkeypatch, caplog
+):
+    """Note [The allocator gives memory back]: the CUDA allocator's retries (its count, stood in
+    for here) that happen inside a step are the step's: counted in the stats, said once."""
+    from lms.runtime import session
+
+    counter = iter(range(0, 100, 3))  # each read, three retries more than the last
+    monkeypatch.setattr(session, "allocator_retries", lambda: next(counter))
+    model, inputs = make("checkpoint")
+    offload = lms.LMS(spill_dir=spill_dir, **POLICIES["budget-disk"])
+    with caplog.at_level("WARNING", logger="lms"):
+        for _ in range(2):
+            run_step(model, inputs, offload)
+    assert offload.stats.allocator_retries == 6
+    said = [r for r in caplog.records if "caching allocator" in r.getMessage()]
+    assert len(said) == 1 and "step 1" in said[0].getMessage()

@@ -64,8 +64,7 @@ CAP = (
 def _arguments(case: tuple, out: str) -> list[str]:
     name, model, size, batch, steps, extra = case
     size_flag = "--seq-len" if model in ("tinylm", "gpt2", "llama") else "--image-size"
-    return [
-        "-q",
+    return [  # not quiet: what a case said before it failed or was stopped is kept
         "train",
         "--model",
         model,
@@ -110,8 +109,10 @@ def main() -> int:
             done = subprocess.run(command, env=env, timeout=share, capture_output=True, text=True)
             ok = done.returncode == 0
             why = "" if ok else done.stderr[-2000:]
-        except subprocess.TimeoutExpired:
-            ok, why = False, f"stopped after {share:.0f} s"
+        except subprocess.TimeoutExpired as stopped:  # with what it said by then
+            said = stopped.stderr or ""
+            said = said.decode(errors="replace") if isinstance(said, bytes) else said
+            ok, why = False, f"stopped after {share:.0f} s; it said last:\n{said[-2000:]}"
         ran[case[0]] = {"ok": ok, "seconds": time.perf_counter() - began, "why": why}
         print(f"{case[0]}: {'recorded' if ok else 'failed'} in {ran[case[0]]['seconds']:.0f} s")
         if why:

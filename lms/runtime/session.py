@@ -716,8 +716,8 @@ class Session:
             entry.uses += 1
             # A storage saved as several views stays loaded until each view was read once and
             # no replay still to come reads it, unless the plan reads it back for each use.
-            # (Handles, which count both, fall as autograd lets go of what it read: a count of
-            # reads taken against them let go of a storage read twice before its third read.)
+            # Reads are counted against the saves, not the handles: those fall as autograd lets
+            # go of what it has read.
             hold = (entry.uses % entry.saves != 0 or entry.replays > 0) and not (
                 self._follow.refetches(step, entry)
             )

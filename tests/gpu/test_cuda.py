@@ -674,3 +674,24 @@ def test_a_step_reading_its_labels_on_cuda_is_tuned_and_bitwise():
         assert_bitwise(ref, _run(model, batch, offload))
     assert offload.stats.diverged_steps == 0
     offload.close()
+
+
+def test_the_allocators_retries_in_a_step_are_counted_on_cuda():
+    """Note [The allocator gives memory back]: under a cap, a request no cached block fits makes
+    the caching allocator free its cache and try again; `LMSStats` counts it for the step."""
+    mib = 2**20
+    total = torch.cuda.get_device_properties(0).total_memory
+    offload = lms.LMS(budget="1GiB")
+    torch.cuda.empty_cache()
+    try:
+        with offload:
+            a, b, c = (torch.empty(256 * mib, dtype=torch.uint8, device="cuda") for _ in range(3))
+            del b  # a cached block of 256 MiB that a request of 300 does not fit
+            cap = torch.cuda.memory_reserved() + 200 * mib  # nor does reserving 300 more
+            torch.cuda.set_per_process_memory_fraction(cap / total)
+            d = torch.empty(300 * mib, dtype=torch.uint8, device="cuda")
+            del a, c, d
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert offload.stats.allocator_retries >= 1, offload.stats

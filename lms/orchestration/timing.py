@@ -565,13 +565,19 @@ def _time_call(
 
 def _one_run(op: Any, args: Any, kwargs: Any, device: torch.device) -> float:
     """Seconds of one call: on a card, between CUDA events around it (the kernels' own time on
-    the card's clock, without the host's wait for the card); elsewhere, the wall clock."""
+    the card's clock, without the host's wait for the card); elsewhere, the wall clock.
+
+    On a card the events follow a hold of the card (`lms.runtime._cuda.hold_card`): in a step
+    the host queues each op while the card runs the ones before, and so must it here, or the
+    op's time would count the host queuing its kernels (tens of microseconds, a fifth of a small
+    op's) with the card idle."""
     if device.type != "cuda":
         start = time.perf_counter()
         op(*args, **kwargs)
         return time.perf_counter() - start
-    from lms.runtime._cuda import timing_event
+    from lms.runtime._cuda import hold_card, timing_event
 
+    hold_card()
     before = timing_event()
     op(*args, **kwargs)
     after = timing_event()

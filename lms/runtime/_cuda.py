@@ -230,6 +230,20 @@ def allocator_retries() -> int:
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
+HOLD_CYCLES = 1_000_000
+"""Clock cycles `hold_card` keeps the card busy: about half a millisecond, longer than the host
+takes to queue one op (tens of microseconds)."""
+
+
+def hold_card() -> None:
+    """Keep the current stream busy for `HOLD_CYCLES` while the host queues what follows, so that
+    events around it time the kernels alone, not the host's queuing nor a card idling down
+    between them (a no-op where PyTorch lacks ``torch.cuda._sleep``)."""
+    sleep = getattr(torch.cuda, "_sleep", None)
+    if sleep is not None:
+        sleep(HOLD_CYCLES)
+
+
 def timing_event(stream: torch.cuda.Stream | None = None) -> torch.cuda.Event:
     """A timing event recorded now on ``stream`` (the current one by default): a mark on the
     card's own clock for a step record (`lms.runtime.steplog`)."""

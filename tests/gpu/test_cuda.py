@@ -476,6 +476,44 @@ def test_an_attention_with_dropout_is_timed_on_the_card(dtype):
     assert all(timings.seconds[index] is not None for index in backward), timings
 
 
+def test_ops_timed_on_the_card_take_their_kernels_time_not_the_hosts():
+    """`lms.runtime._cuda.hold_card`: ops timed alone take what they take in a step whose host
+    queues ahead of the card: 100 elementwise ops of 64 MiB (tens of microseconds each) against
+    the same forward run back to back. Timed with the card idle while the host queued each op,
+    each would count that queuing too."""
+    from lms.analysis import trace_step
+    from lms.orchestration.timing import time_ops
+    from lms.runtime._cuda import timing_event
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(1 << 24, device="cuda"))
+
+        def forward(self, x):
+            for _ in range(50):
+                x = x * self.w + 1
+            return x
+
+    def forward(m, batch):
+        with torch.no_grad():
+            return m(*batch)
+
+    model, x = Chain(), torch.randn(1 << 24, device="cuda")
+    trace = trace_step(model, [x], forward, device=torch.device("cuda"))
+    timed = time_ops(trace, torch.device("cuda")).seconds
+    assert all(seconds is not None for seconds in timed)
+    runs = []
+    for _ in range(5):
+        forward(model, [x])  # warm, and the host ahead of the card
+        before = timing_event()
+        forward(model, [x])
+        after = timing_event()
+        after.synchronize()
+        runs.append(before.elapsed_time(after) / 1000)
+    assert 0.8 < sum(timed) / min(runs) < 1.15, (sum(timed), min(runs))
+
+
 def test_ops_timed_on_the_card_price_a_resnet_step_near_its_run():
     """Note [Ops timed on the device] on a GPU: every op of a ResNet18 step gets a time (a
     cuDNN convolution's too), the random streams are untouched, and the timed step is within

@@ -176,21 +176,55 @@ def _received(value: Any, device: torch.device, host: bool = False) -> Any:
     return value
 
 
+_POOLING = ("self", "kernel_size", "stride", "padding", "dilation", "ceil_mode")
+"""A max pooling's arguments, as its backward names them too."""
+
+
+def _pooled(forward: str) -> Any:
+    """The indices a max pooling's ``forward`` picks, given its backward's arguments."""
+    return lambda named: getattr(torch.ops.aten, forward)(*[named[key] for key in _POOLING])[1]
+
+
+def _adaptive(forward: str) -> Any:
+    """The indices an adaptive max pooling's ``forward`` picks for its gradient's size."""
+    return lambda named: getattr(torch.ops.aten, forward)(
+        named["self"], list(named["grad_output"].shape[2:])
+    )[1]
+
+
+_INDICES_FROM_FORWARD = {
+    "max_pool2d_with_indices_backward": _pooled("max_pool2d_with_indices"),
+    "max_pool3d_with_indices_backward": _pooled("max_pool3d_with_indices"),
+    "adaptive_max_pool2d_backward": _adaptive("adaptive_max_pool2d"),
+    "adaptive_max_pool3d_backward": _adaptive("adaptive_max_pool3d"),
+}
+"""Backwards that scatter their gradient to the places their forward's indices name: made-up
+indices are those that forward picks from the made-up input. Zeros would send every gradient to
+one place, and a card adds them there one at a time: a 3D U-Net's first pooling backward was
+timed on an H200 at 110.6 ms where its step ran it in 1.8 ms."""
+
+
 def _made_up_call(
     op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A job's arguments made up for ``op`` on ``device``, those of `_ON_THE_HOST` that are
-    integer scalars on the CPU."""
+    """A job's arguments made up for ``op`` on ``device``: those of `_ON_THE_HOST` that are
+    integer scalars on the CPU, the indices of `_INDICES_FROM_FORWARD` from its forward."""
     names = [argument.name for argument in op._schema.arguments]
 
     def made(name: str, value: Any) -> Any:
         host = name in _ON_THE_HOST
         return tree_map(lambda leaf: _received(leaf, device, host), value)
 
-    named = (names[index] if index < len(names) else "" for index in range(len(args)))
+    named = {name: made(name, value) for name, value in zip(names, args, strict=False)}
+    named.update((name, made(name, value)) for name, value in kwargs.items())
+    indices = _INDICES_FROM_FORWARD.get(op._schema.name.removeprefix("aten::"))
+    if indices is not None and isinstance(named.get("indices"), torch.Tensor):
+        picked = indices(named)
+        if picked.shape == named["indices"].shape:
+            named["indices"] = named["indices"].copy_(picked)
     return (
-        tuple(made(name, value) for name, value in zip(named, args, strict=True)),
-        {name: made(name, value) for name, value in kwargs.items()},
+        tuple(named[name] for name in names[: len(args)]),
+        {name: named[name] for name in kwargs},
     )
 
 

@@ -202,6 +202,8 @@ class Step:
         self.offloaded_at: list[int] = []  # positions in use_queue of offloaded entries, sorted
         self.save_level: dict[int, int] = {}
         self.baseline_bytes: int | None = None
+        self.entered_bytes: tuple[int, int] | None = None
+        """On a card: the current device's index and what it had allocated as the step began."""
         # host storages of the first module call (`distinct_storages`)
         self.first_call: dict[tuple[torch.device, int], int] | None = None
         self.junction_edges: dict[junctions.Edge, int] = {}

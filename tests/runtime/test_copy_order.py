@@ -139,3 +139,59 @@ def test_a_wait_for_a_copy_out_is_a_wait_of_the_step_record():
     (step,) = log.steps
     assert [wait.ordinal for wait in step.waits] == [running.ordinal]
     assert running.pending_out is None and done.pending_out is None
+
+
+def test_a_step_that_follows_its_plan_checks_its_budget_where_the_simulator_does(
+    spill_dir, monkeypatch
+):
+    """Note [The budget's wait follows the simulator]: following its plan, the runtime checks
+    whether the copies out in flight take it past its budget after the saves it copies out, as
+    the simulator does, not after those it keeps or recomputes; without a plan, after each."""
+    import lms
+    from lms.analysis import trace_step
+    from lms.runtime.session import Session
+    from tests.conftest import assert_bitwise, recomputing_plan, run_step
+
+    torch.manual_seed(0)
+    layers = []
+    for c in (3, 8, 8, 8):
+        layers += [torch.nn.Conv2d(c, 8, 3, padding=1), torch.nn.ReLU()]
+    model, x = torch.nn.Sequential(*layers), torch.randn(1, 3, 32, 32)
+
+    def step(m, batch):
+        loss = m(*batch).square().mean()
+        loss.backward()
+        return loss
+
+    checked = []
+    evict = Session._evict
+    monkeypatch.setattr(Session, "_evict", lambda self, s: checked.append(1) or evict(self, s))
+    trace = trace_step(model, [x], step, device="cpu", min_offload_bytes=0)
+    plan = recomputing_plan(trace)
+    assert plan.offload and plan.recompute
+    ref = run_step(model, (x,))
+    offload = lms.LMS(
+        plan=plan, budget="1GiB", tier="disk", spill_dir=spill_dir, min_offload_bytes=0
+    )
+    assert_bitwise(ref, run_step(model, (x,), offload))
+    assert len(checked) == len(plan.offload) < plan.num_entries
+    checked.clear()
+    policy = lms.LMS(budget="1GiB", tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+    run_step(model, (x,), policy)
+    assert len(checked) == plan.num_entries
+
+
+def test_a_cards_budget_starts_from_what_was_allocated_as_the_step_began(monkeypatch):
+    """Note [What a budget on the CPU starts from]: on a card, what the step began with (read as
+    it began), not what is allocated at its first save, which may hold that op's output too."""
+    import lms
+    from lms.runtime.step import Step
+
+    runtime = lms.LMS(budget="1GiB")
+    step = Step(1, None)
+    step.entered_bytes = (0, 100)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 300)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert runtime._baseline(step, torch.device("cuda", 0)) == 100
+    assert runtime._baseline(step, torch.device("cuda")) == 100
+    assert runtime._baseline(step, torch.device("cuda", 1)) == 300  # another card: read then

@@ -511,7 +511,7 @@ def test_ops_timed_on_the_card_take_their_kernels_time_not_the_hosts():
         after = timing_event()
         after.synchronize()
         runs.append(before.elapsed_time(after) / 1000)
-    assert 0.8 < sum(timed) / min(runs) < 1.15, (sum(timed), min(runs))
+    assert 0.8 < sum(timed) / min(runs) < 1.2, (sum(timed), min(runs))
 
 
 def test_ops_timed_on_the_card_price_a_resnet_step_near_its_run():

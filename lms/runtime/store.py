@@ -250,27 +250,22 @@ class Offloader:
         pending = entry.pending_out
         if pending is None:
             return True
-        if wait and self.log is not None and not _finished(pending):
-            mark = self.log.mark()
+        if not _finished(pending):
+            if not wait:
+                return False
+            mark = None if self.log is None else self.log.mark()
             _finished(pending, wait=True)
-            self.log.wait(entry.ordinal, mark, self.log.mark())
-        if isinstance(pending, concurrent.futures.Future):
-            if not wait and not pending.done():
-                return False
-            error = pending.exception()
-            if error is not None:
-                # The data is still on the device: keep it there, nothing is lost.
-                entry.pending_out = None
-                entry.on_disk = False
-                entry.offloaded = False
-                self.disk_bytes -= entry.nbytes
-                self._error = self._error or error
-                return True
-        else:
-            if wait:
-                pending.synchronize()
-            elif not pending.query():
-                return False
+            if self.log is not None:
+                self.log.wait(entry.ordinal, mark, self.log.mark())
+        error = pending.exception() if isinstance(pending, concurrent.futures.Future) else None
+        if error is not None:
+            # The data is still on the device: keep it there, nothing is lost.
+            entry.pending_out = None
+            entry.on_disk = False
+            entry.offloaded = False
+            self.disk_bytes -= entry.nbytes
+            self._error = self._error or error
+            return True
         # Note: [Free after the copy event]
         entry.pending_out = None
         entry.storage = None

@@ -221,13 +221,19 @@ def allocator_bytes(device: torch.device) -> tuple[int, int]:
     )
 
 
-def allocator_retries() -> int:
-    """How often the caching allocator of the current CUDA device has freed its cached blocks to
-    fit a request and tried again (Note [The allocator gives memory back]); 0 where CUDA is not
-    in use. One read of its statistics."""
+def allocator_now() -> tuple[int, int, int] | None:
+    """The current CUDA device's index, the bytes its caching allocator holds in tensors, and how
+    often it has freed its cached blocks to fit a request and tried again (Note [The allocator
+    gives memory back]), from one read of its statistics; None where CUDA is not in use."""
     if not torch.cuda.is_initialized():
-        return 0
-    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+        return None
+    index = torch.cuda.current_device()
+    stats = torch.cuda.memory_stats(index)
+    return (
+        index,
+        int(stats.get("allocated_bytes.all.current", 0)),
+        int(stats.get("num_alloc_retries", 0)),
+    )
 
 
 HOLD_CYCLES = 1_000_000

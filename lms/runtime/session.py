@@ -40,7 +40,7 @@ from lms.core.slabs import split_modules
 from lms.core.steprecord import StepRecord
 from lms.core.sync import SyncMode
 from lms.core.units import format_bytes
-from lms.runtime._cuda import allocator_retries
+from lms.runtime._cuda import allocator_now
 from lms.runtime.follow import Follow
 from lms.runtime.heap import release_freed_memory
 from lms.runtime.pool import available_host_bytes
@@ -134,7 +134,6 @@ class Session:
         self._relief = Relief(self._offloader, self.stats, self._lock, self._keep, self._keys)
         self._finalizer = weakref.finalize(self, Offloader.close, self._offloader)
         self._log: StepLog | None = None
-        self._retries = 0  # the allocator's retries when the step began
         self._retries_said = False
         self._tuned: tuple[Trace, DeviceSpec, bool] | None = None  # what `tune` planned from
 
@@ -210,10 +209,7 @@ class Session:
             self.stats.steps += 1
             self._step.light = self._follow.runs_light()
             leave_modules()
-            self._retries = allocator_retries()
-            if torch.cuda.is_initialized():
-                index = torch.cuda.current_device()
-                self._step.entered_bytes = (index, torch.cuda.memory_allocated(index))
+            self._step.entered = allocator_now()
         # Note: [Hooks stay out of compiled graphs]
         # A model compiled in place runs the global module hook inside its compiled frame, and
         # the saved-tensor hooks where forward saves: torch.compile must call them as they are,
@@ -287,7 +283,10 @@ class Session:
     def _count_retries(self, step: Step | None) -> None:
         """Count the allocator's retries during ``step``; say so, once (Note [The allocator
         gives memory back])."""
-        retries = allocator_retries() - self._retries
+        now = allocator_now()
+        if step is None or step.entered is None or now is None or now[0] != step.entered[0]:
+            return
+        retries = now[2] - step.entered[2]
         if retries <= 0:
             return
         self.stats.allocator_retries += retries
@@ -297,7 +296,7 @@ class Session:
                 "[LMS] step %d: the CUDA caching allocator found no room under its cap %d "
                 "time(s), freed its cached blocks and mapped memory again, each time stopping "
                 "the card for milliseconds a gigabyte; a budget lower than the cap leaves it room",
-                step.number if step is not None else 0,
+                step.number,
                 retries,
             )
 
@@ -600,7 +599,7 @@ class Session:
         the first module the step calls and the tensors that call is given.
         """
         if device.type == "cuda":
-            entered = step.entered_bytes
+            entered = step.entered
             index = device.index if device.index is not None else torch.cuda.current_device()
             if entered is not None and entered[0] == index:
                 return entered[1]

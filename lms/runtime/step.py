@@ -202,8 +202,9 @@ class Step:
         self.offloaded_at: list[int] = []  # positions in use_queue of offloaded entries, sorted
         self.save_level: dict[int, int] = {}
         self.baseline_bytes: int | None = None
-        self.entered_bytes: tuple[int, int] | None = None
-        """On a card: the current device's index and what it had allocated as the step began."""
+        self.entered: tuple[int, int, int] | None = None
+        """On a card, as the step began: the current device's index, what it had allocated and
+        its allocator's retries so far (`lms.runtime._cuda.allocator_now`)."""
         # host storages of the first module call (`distinct_storages`)
         self.first_call: dict[tuple[torch.device, int], int] | None = None
         self.junction_edges: dict[junctions.Edge, int] = {}

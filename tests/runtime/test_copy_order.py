@@ -189,7 +189,7 @@ def test_a_cards_budget_starts_from_what_was_allocated_as_the_step_began(monkeyp
 
     runtime = lms.LMS(budget="1GiB")
     step = Step(1, None)
-    step.entered_bytes = (0, 100)
+    step.entered = (0, 100, 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 300)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert runtime._baseline(step, torch.device("cuda", 0)) == 100

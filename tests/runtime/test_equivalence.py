@@ -466,7 +466,7 @@ def test_the_allocators_retries_during_a_step_are_counted_and_said_once(
     from lms.runtime import session
 
     counter = iter(range(0, 100, 3))  # each read, three retries more than the last
-    monkeypatch.setattr(session, "allocator_retries", lambda: next(counter))
+    monkeypatch.setattr(session, "allocator_now", lambda: (0, 0, next(counter)))
     model, inputs = make("checkpoint")
     offload = lms.LMS(spill_dir=spill_dir, **POLICIES["budget-disk"])
     with caplog.at_level("WARNING", logger="lms"):

@@ -221,7 +221,7 @@ def _made_up_call(
     if indices is not None and isinstance(named.get("indices"), torch.Tensor):
         picked = indices(named)
         if picked.shape == named["indices"].shape:
-            named["indices"] = named["indices"].copy_(picked)
+            named["indices"].copy_(picked)  # in place: its strides are the call's
     return (
         tuple(named[name] for name in names[: len(args)]),
         {name: named[name] for name in kwargs},
@@ -603,8 +603,8 @@ def _one_run(op: Any, args: Any, kwargs: Any, device: torch.device) -> float:
 
     On a card the events follow a hold of the card (`lms.runtime._cuda.hold_card`): in a step
     the host queues each op while the card runs the ones before, and so must it here, or the
-    op's time would count the host queuing its kernels (tens of microseconds, a fifth of a small
-    op's) with the card idle."""
+    op's time would count the host queuing its kernels (tens of microseconds) with the card
+    idle."""
     if device.type != "cuda":
         start = time.perf_counter()
         op(*args, **kwargs)

@@ -230,9 +230,9 @@ class StepLog:
         """An op that ran no kernel, at the last op's end (Note [One clock for a step record])."""
         end, allocated, reserved = self._last
         if allocates:
-            allocated, reserved = self._memory()
-            self._last = (end, allocated, reserved)
-        self._ops.append((name, self._section, in_backward(), end, end, allocated, reserved))
+            self._note_op(name, end, end)
+        else:
+            self._ops.append((name, self._section, in_backward(), end, end, allocated, reserved))
 
 
 class _OpTimer(TorchDispatchMode):

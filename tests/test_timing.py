@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lms.analysis import trace_step
+from lms.analysis.recorder import _as_meta
 from lms.analysis.simulate import op_seconds, simulate
 from lms.core.devices import DEVICES, FRESH_PAGES_BYTES, MAPPED_ALONE_BYTES, OpTimings
 from lms.core.records import OpCall, TensorMeta
@@ -220,10 +221,9 @@ def test_a_max_poolings_backward_is_timed_on_the_indices_its_forward_picks(dims)
     where its step ran it in 1.8 ms. They are what the forward picks from the made-up input:
     here each window's own place."""
     spatial = (16,) * dims
-    x = TensorMeta((2, 4, *spatial), _contiguous((2, 4, *spatial)), torch.float32, "cpu")
     half = (2, 4, *(n // 2 for n in spatial))
-    grad = TensorMeta(half, _contiguous(half), torch.float32, "cpu")
-    picked = TensorMeta(half, _contiguous(half), torch.int64, "cpu")
+    x, grad = _as_meta(torch.empty(2, 4, *spatial)), _as_meta(torch.empty(half))
+    picked = _as_meta(torch.empty(half, dtype=torch.int64))
     op = getattr(torch.ops.aten, f"max_pool{dims}d_with_indices_backward").default
     pool = [2] * dims, [2] * dims, [0] * dims, [1] * dims, False
     args, _ = timing._made_up_call(op, (grad, x, *pool, picked), {}, CPU)
@@ -234,10 +234,6 @@ def test_a_max_poolings_backward_is_timed_on_the_indices_its_forward_picks(dims)
     adaptive = getattr(torch.ops.aten, f"adaptive_max_pool{dims}d_backward").default
     args, _ = timing._made_up_call(adaptive, (grad, x, picked), {}, CPU)
     assert args[-1][0, 0].unique().numel() == args[-1][0, 0].numel()
-
-
-def _contiguous(shape):
-    return torch.empty(shape, device="meta").stride()
 
 
 def test_the_simulator_takes_the_times_for_the_trace_timed_alone():

@@ -343,9 +343,9 @@ def _batch_leaves(batch: Any) -> tuple[list[Any], TreeSpec]:
 
 def batch_shape(batch: Any) -> tuple[Any, ...]:
     """What a trace of ``batch`` depends on besides the model and the step: its structure, each
-    tensor's shape, strides, dtype and device and which of them share a storage (as the trace
-    fakes them, `trace_step`), and its other leaves (numbers, strings and flags by value,
-    anything else by type)."""
+    tensor's shape, strides, dtype and device, whether it requires a gradient and which of them
+    share a storage (as the trace fakes them, `trace_step`), and its other leaves (numbers,
+    strings and flags by value, anything else by type)."""
     leaves, structure = _batch_leaves(batch)
     storages: dict[tuple[str, int], int] = {}
     found: list[Any] = [structure]
@@ -353,7 +353,16 @@ def batch_shape(batch: Any) -> tuple[Any, ...]:
         if isinstance(leaf, torch.Tensor):
             key = _storage_key(leaf)
             shared = storages.setdefault(key, position) if key is not None else position
-            found.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, shared))
+            found.append(
+                (
+                    tuple(leaf.shape),
+                    leaf.stride(),
+                    leaf.dtype,
+                    leaf.device,
+                    shared,
+                    leaf.requires_grad,
+                )
+            )
         elif leaf is None or isinstance(leaf, (bool, int, float, str)):
             found.append((type(leaf), leaf))
         else:
@@ -594,8 +603,12 @@ def trace_step(
         shared: dict[tuple[str, int], torch.Tensor | None] = {
             key: None for key, count in seen.items() if key is not None and count > 1
         }
+        # a batch tensor the step differentiates (a gradient penalty's, an adversarial input's)
+        # keeps requiring a gradient
         leaves = [
-            _fake_like(t, target, shared) if isinstance(t, torch.Tensor) else t
+            _fake_like(t, target, shared).requires_grad_(t.requires_grad)
+            if isinstance(t, torch.Tensor)
+            else t
             for t in given_leaves
         ]
         inputs = tree_unflatten(leaves, structure)  # the batch's own structure, faked
@@ -653,12 +666,16 @@ def trace_step(
                 "(loss.backward()), as a training step does"
             )
         del result
-        grads = [p.grad for p in built.parameters() if p.grad is not None]
+        # the batch's gradients, where the step asks for them, stay after it as the weights' do
+        differentiated = [t for t in tensors if t.requires_grad]
+        grads = [p.grad for p in [*built.parameters(), *differentiated] if p.grad is not None]
         gradient_ids = {recorder.storage_id(g)[0] for g in grads}
+        for leaf in differentiated:
+            leaf.grad = None  # made under fake tensors: no real step may see it
         fsdp.resolve(sharded, recorder.storage_id)
         states = [v for s in (opt.state.values() if opt else ()) for v in s.values()]
         state_ids = {recorder.storage_id(v)[0] for v in states if isinstance(v, torch.Tensor)}
-        del opt, grads, states, inputs, leaves, tensors
+        del opt, grads, states, inputs, leaves, tensors, differentiated
         torch.clear_autocast_cache()  # its casts of the fake weights, under a caller's autocast
         gc.collect()
     backward_start = next(

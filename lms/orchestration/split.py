@@ -16,7 +16,7 @@ from lms.core.units import format_bytes
 from lms.planning.candidates import Candidates
 from lms.planning.minimum import smallest_plan
 
-__all__ = ["CLIMB_SIMULATIONS", "SLAB_COUNTS", "faster_in_slabs", "fit_in_slabs"]
+__all__ = ["CLIMB_SIMULATIONS", "SLAB_COUNTS", "faster_in_slabs", "fit_in_slabs", "named_slabs"]
 
 log = logging.getLogger("lms.orchestration.split")
 
@@ -83,7 +83,7 @@ def fit_in_slabs(
                     "[LMS] Runs %s in slabs along the first spatial dimension (Note [Slabs]): "
                     "the least a plan needs falls from %s to within the budget of %s; without "
                     "offload, a step in slabs is predicted at %.4f s against %.4f s whole",
-                    _named(slabs),
+                    named_slabs(slabs),
                     format_bytes(first.min_budget_bytes if first else budget),
                     format_bytes(budget),
                     simulate(current, None, spec, half=half).step_s,
@@ -104,7 +104,7 @@ def fit_in_slabs(
         except (SplitError, StepFailedError) as refused:  # the module would not run in slabs
             log.info(
                 "[LMS] With %s in slabs the step failed, so it is planned whole: %s",
-                _named(slabs),
+                named_slabs(slabs),
                 str(refused).removeprefix("lms: ").split("\n")[0],
             )
             slabs = {}  # none of these ran
@@ -114,7 +114,7 @@ def fit_in_slabs(
         log.info(
             "[LMS] In slabs (%s) the least a plan needs is still %s, at %s, over the budget of "
             "%s: the step is planned whole",
-            _named(slabs),
+            named_slabs(slabs),
             format_bytes(error.min_budget_bytes),
             error.op_module or "an op outside any module",
             format_bytes(budget),
@@ -124,7 +124,7 @@ def fit_in_slabs(
     return whole
 
 
-def _named(slabs: dict[str, int]) -> str:
+def named_slabs(slabs: dict[str, int]) -> str:
     """``slabs`` as the `[LMS]` lines name them: ``"conv_0 in 4, upcat_1 in 16"``."""
     return ", ".join(f"{name} in {count}" for name, count in sorted(slabs.items()))
 
@@ -222,7 +222,7 @@ def faster_in_slabs(
             break
         log.info(
             "[LMS] In slabs (%s) the plan is predicted at %.4f s a step, against %.4f s",
-            _named(slabs),
+            named_slabs(slabs),
             simulated.step_s,
             result.step_s,
         )

@@ -32,7 +32,12 @@ from lms.orchestration.cache import (
     save_plan,
 )
 from lms.orchestration.local import local_device_spec, with_local_timings
-from lms.orchestration.split import CLIMB_SIMULATIONS, faster_in_slabs, fit_in_slabs
+from lms.orchestration.split import (
+    CLIMB_SIMULATIONS,
+    faster_in_slabs,
+    fit_in_slabs,
+    named_slabs,
+)
 from lms.orchestration.timing import started_early
 
 __all__ = ["TunedStep", "check_offload_room", "tune_plan", "tune_step"]
@@ -198,6 +203,14 @@ def tune_step(
             spill_dir=spill_dir,
             spills=tier != "host",
         )
+        if plan.slabs:  # said each time, since the step's gradients are not the plain step's bits
+            log.warning(
+                "[LMS] The plan runs %s in slabs (Note [Slabs]): no plan of the whole step fits "
+                "%s. Their gradients are within float rounding of the whole module's, not bit "
+                "for bit; LMS(slabs=False) (lms --no-slabs) refuses such a budget instead",
+                named_slabs(dict(plan.slabs)),
+                format_bytes(budget),
+            )
         if loaded is not None:
             log.info("[LMS] Loaded the plan for this step from %s", path)
             return TunedStep(plan, trace, priced, half)

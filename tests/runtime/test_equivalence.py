@@ -133,6 +133,32 @@ def test_retain_graph_backward_twice(spill_dir):
     assert offload.stats.reloaded_bytes > 1.5 * offload.stats.offloaded_bytes
 
 
+def test_a_tuned_step_that_differentiates_its_batch_follows_its_plan(spill_dir):
+    # an input's saliency, an adversarial example's gradient: the batch requires a gradient,
+    # which the trace keeps, so the plan's saves are the step's
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 16, 3, padding=1)]
+    for _ in range(8):
+        layers += [nn.Tanh(), nn.Conv2d(16, 16, 3, padding=1)]
+    model = nn.Sequential(*layers)
+    x = torch.randn(2, 3, 128, 128)
+
+    def step(m, batch):
+        loss = m(batch[0]).square().mean()
+        loss.backward()
+        return loss
+
+    ref_x, got_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref = run_step(model, [ref_x])
+    offload = lms.LMS(budget="50%", tier="disk", spill_dir=spill_dir, slabs=False)
+    plan = offload.tune(model, [got_x], step)
+    assert plan.offload
+    got = run_step(model, [got_x], offload)
+    assert offload.stats.diverged_steps == 0
+    assert_bitwise(ref, got)
+    assert same_bits(ref_x.grad, got_x.grad)
+
+
 def test_backward_after_the_block(spill_dir):
     model, inputs = make("zoo")
     ref = run_step(model, inputs)

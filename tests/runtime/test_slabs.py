@@ -167,6 +167,9 @@ def test_a_tuned_plan_in_slabs_is_cached_and_loaded_for_its_step(tmp_path, caplo
         again = lms.LMS(budget=budget).tune(model, [x], _unet_step, cache_dir=str(tmp_path))
     assert again == first
     assert any("Loaded the plan" in r.getMessage() for r in caplog.records)
+    # a plan in slabs, cached or not, says that the gradients are no longer the plain bits
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("not bit for bit" in m and "slabs=False" in m for m in warned), warned
     with pytest.raises(lms.PlanInfeasibleError):
         lms.LMS(budget=budget, slabs=False).tune(model, [x], _unet_step, cache_dir=str(tmp_path))
 

@@ -1,7 +1,8 @@
 """Which saved tensors backward could recompute instead of storing, and from what.
 
 A saved storage can be recomputed when every forward op that wrote it is a deterministic op whose
-replay gives the same bits (convolution, normalisation, activation, elementwise arithmetic), the
+replay gives the same bits (convolution, matrix product, normalisation, softmax, activation,
+elementwise arithmetic, a reduction over dimensions, a cast, a concatenation), the
 first of them returned it as its first output, and their other inputs are parameters, buffers,
 other saved storages, storages made again the same way (Note [Remake what was never saved]), or
 storages too small to offload (autocast's bf16 copy of a weight, which the runtime then holds for
@@ -95,6 +96,37 @@ RECOMPUTABLE_OPS = frozenset(
         "add_.Tensor",
         "mul.Tensor",
         "mul_.Tensor",
+        # a transformer's: its projections, attention scores and norms, its casts under autocast
+        "mm.default",
+        "addmm.default",
+        "bmm.default",
+        "baddbmm.default",
+        "_softmax.default",
+        "_log_softmax.default",
+        "pow.Tensor_Scalar",
+        "div.Tensor",
+        "div.Scalar",
+        "sub.Tensor",
+        "rsub.Scalar",
+        "mul.Scalar",
+        "add.Scalar",
+        "neg.default",
+        "rsqrt.default",
+        "sqrt.default",
+        "exp.default",
+        "cos.default",
+        "sin.default",
+        "tanh_.default",
+        "sigmoid_.default",
+        "gelu_.default",
+        "mean.dim",
+        "sum.dim_IntList",
+        "_to_copy.default",
+        "clone.default",
+        "cat.default",
+        "embedding.default",
+        "masked_fill.Scalar",
+        "where.self",
     )
 )
 """Ops whose output backward may recompute: deterministic, with no state but buffers."""

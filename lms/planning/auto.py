@@ -4,6 +4,7 @@ per-role plan) and TFLMS's tuned set, whichever is predicted faster."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 
 from lms.core.devices import DeviceSpec
@@ -12,6 +13,7 @@ from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.planning.blocks import plan_blocks, repeats
 from lms.planning.greedy import plan_greedy
+from lms.planning.milp import plan_milp
 from lms.planning.tflms import tune_tflms
 
 __all__ = ["plan_auto"]
@@ -101,6 +103,21 @@ and a step that costs half as much again pays for the extra second or two of pla
 (`benchmarks/results/README.md`, "Planning time for language models")."""
 
 
+# Note: [A tight budget asks the solver too]
+# The per-role search moves one role at a time from a few starts. Near a stack's floor, where most
+# of each layer must be replayed and the rest moved, the plan that fits lies far from those starts,
+# and the search stops at plans that wait on the link for several times the step (GPT-2 medium at
+# half its peak: +267%). There the mixed-integer program (`lms.planning.milp`), which weighs every
+# storage's choice at once, lands much nearer (+64%) in a few seconds more. It is asked only where
+# the per-role plan is predicted past `WIDER_SEARCH_OVERHEAD`, where scipy is installed (the
+# `solver` extra), and not for plans that empty what the code holds, which it does not model;
+# the simulator judges its plan as any other. Measured: benchmarks/results/README.md, "Planning
+# time for language models".
+def _solver() -> bool:
+    """Whether scipy, which the mixed-integer planner needs, is installed."""
+    return importlib.util.find_spec("scipy") is not None
+
+
 def _fastest(
     trace: Trace,
     spec: DeviceSpec,
@@ -129,6 +146,15 @@ def _fastest(
             candidates.append(
                 plan_blocks(trace, spec, budget_bytes, half=half, free_held=free_held, depths=wider)
             )
+        fastest = min(candidates, key=lambda plan: (plan.predicted_overhead, len(plan.offload)))
+        if fastest.predicted_overhead > WIDER_SEARCH_OVERHEAD and not free_held and _solver():
+            # Note [A tight budget asks the solver too]
+            log.info(
+                "[LMS] [Planner] predicted %+.1f%%: solving the choice as a mixed-integer "
+                "program too",
+                100 * fastest.predicted_overhead,
+            )
+            candidates.append(plan_milp(trace, spec, budget_bytes, half=half))
         return min(candidates, key=lambda plan: (plan.predicted_overhead, len(plan.offload)))
     searched = functools.partial(
         plan_greedy,

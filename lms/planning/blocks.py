@@ -37,6 +37,7 @@ from lms.core.recipes import recipes
 from lms.core.records import Trace
 from lms.planning.candidates import Candidates
 from lms.planning.greedy.shared import VARIANTS, chains_with
+from lms.planning.greedy.starts import cheaper_to_recompute, distinct
 from lms.planning.minimum import smallest_plan
 
 __all__ = ["plan_blocks", "repeats", "roles"]
@@ -232,8 +233,19 @@ class _RoleSearch:
         recomputable = {
             r for r, members in enumerate(self.roles) if all(i in self.recipes for i in members)
         }
+        # Recomputing every role that can be is a start where replays are cheap (norms and
+        # activations); where matrix products can be replayed too, the roles whose replay costs
+        # less than their copy are starts of their own (those bound by memory traffic alone, and
+        # all), which the search may otherwise not reach by moving one role at a time.
+        cheaper = [
+            {r for r in recomputable if cheap.issuperset(self.roles[r])}
+            for cheap in (
+                cheaper_to_recompute(self.candidates, self.candidates.half, chains=True, flops=f)
+                for f in (False, True)
+            )
+        ]
         for ahead, sync in VARIANTS:
-            for remade in (set(), recomputable):
+            for remade in distinct(set(), *cheaper, recomputable):
                 prefix = self._longest_prefix(ranking, remade, ahead, sync)
                 result = None if prefix is None else self._run(prefix, remade, ahead, sync)
                 if prefix is not None and result is not None:

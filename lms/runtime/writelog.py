@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lms.core.junctions import in_backward
+from lms.core.keep import is_weight
 from lms.core.recipes import RECOMPUTABLE_OPS, written_arguments
 
 __all__ = ["WriteLog", "Call", "Recipe", "Slot"]
@@ -262,7 +263,13 @@ class WriteLog(TorchDispatchMode):
             return leaf
         storage = leaf.untyped_storage()
         ptr = storage.data_ptr()
-        fixed = ptr in self.fixed_ptrs or (storage.nbytes() < self.small_bytes and not written)
+        # A parameter the step reads without calling its module (a functional attention's
+        # projection weights) is one, whether or not a module hook noted it.
+        fixed = (
+            ptr in self.fixed_ptrs
+            or is_weight(leaf)
+            or (storage.nbytes() < self.small_bytes and not written)
+        )
         made = None
         known = self.histories.get(ptr) if not (fixed or written) else None
         if known is not None and known[0]() is storage:

@@ -83,6 +83,8 @@ def test_hugging_face_models_train_bitwise(kind, half, plan, spill_dir):
         assert_bitwise(plain, _run(model, ids, half, offload))
     moved = offload.stats.offloaded_tensors + offload.stats.recomputed_tensors
     assert moved > 0
+    if plan == "recompute":  # each replay as planned: projections and attention scores too
+        assert offload.stats.recomputed_tensors == 2 * len(made.recompute)
     offload.close()
 
 

@@ -120,8 +120,8 @@ def test_auto_planner_searches_from_either_remedy_and_keeps_the_faster():
     assert reading.refetch and not reading.relieved_junctions
     for plan in (relieving, reading):
         assert simulate(trace, plan, spec).peak_bytes <= budget
-    assert reading.predicted_overhead < relieving.predicted_overhead
-    assert plan_auto(trace, spec, budget).predicted_overhead == reading.predicted_overhead
+    faster = min(relieving.predicted_overhead, reading.predicted_overhead)
+    assert plan_auto(trace, spec, budget).predicted_overhead == faster
     with pytest.raises(ValueError, match="first"):
         smallest_plan(Candidates(trace, spec, budget), "both")
 
@@ -169,7 +169,11 @@ def test_a_replay_reads_back_what_it_needs_and_holds_it_for_the_next_use(spill_d
     trace = trace_step(model, inputs, _step, device="cpu", min_offload_bytes=0)
     entries, uses = trace.entries(), trace.use_ops()
     h = max(range(len(entries)), key=lambda i: len(uses.get(entries[i][0], ())))
-    (relu,) = [i for i, recipe in recipes(trace).items() if h in recipe.inputs]
+    (relu,) = [
+        i
+        for i, recipe in recipes(trace).items()
+        if h in recipe.inputs and trace.ops[recipe.ops[0]].name == "aten.relu.default"
+    ]
     plan = Plan(
         fingerprint=trace.fingerprint(),
         num_entries=len(entries),

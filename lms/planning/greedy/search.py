@@ -53,7 +53,7 @@ class Search:
             set(),
             cheaper_to_recompute(candidates, self.half, chains=True),
             cheaper_to_recompute(candidates, self.half, chains=False),
-            cheaper_to_recompute(candidates, self.half, chains=False, convolutions=False),
+            cheaper_to_recompute(candidates, self.half, chains=False, flops=False),
         )
         # Each variant is searched from each starting set. The best search of each start is refined
         # first (a greedy refinement can overtake from behind), then each start's runners-up; the

@@ -1,5 +1,7 @@
 """On a CUDA device: bitwise equality, a stream-race stress test, real memory savings."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -240,6 +242,47 @@ def test_recompute_plan_bitwise_on_cuda(deterministic_cudnn, chains):
         assert offload.stats.recomputed_tensors == step * len(plan.recompute)
     assert offload.stats.replays_differed == 0
     assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
+    offload.close()
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_transformers_replays_are_bitwise_on_cuda(kind, half):
+    """A tiny Hugging Face Llama (SDPA, grouped-query attention, rotary embeddings, RMSNorm) and
+    GPT-2 (eager attention, dropout) under a plan that recomputes what it can: projections,
+    attention scores, norms and autocast's casts replayed on the card, each first replay
+    checked against forward's checksum; the rest offloaded."""
+    pytest.importorskip("transformers")
+    from lms.analysis import trace_step
+    from tests.conftest import recomputing_plan
+    from tests.integrations.test_hf_exact import _model
+
+    model = _model(kind).cuda()
+    ids = torch.randint(0, 256, (2, 64), device="cuda")
+
+    def step(m, batch):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=half):
+            loss = m(input_ids=batch[0], labels=batch[0]).loss
+        loss.backward()
+        return loss
+
+    trace = trace_step(model, [ids], step, device="cuda", min_offload_bytes=0)
+    plan = recomputing_plan(trace)
+    assert plan.recompute
+
+    def run(offload=None):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with offload if offload is not None else contextlib.nullcontext():
+            loss = step(model, [ids])
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    ref = run()
+    offload = lms.LMS(plan=plan, min_offload_bytes=0)
+    for number in range(1, 3):
+        assert_bitwise(ref, run(offload))
+        assert offload.stats.recomputed_tensors == number * len(plan.recompute)
+    assert offload.stats.replays_differed == 0
     offload.close()
 
 

@@ -50,6 +50,27 @@ def _half_step(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return out.loss
 
 
+def gpt2_medium(layers: int) -> tuple[Any, torch.Tensor]:
+    """A builder of GPT-2 medium with ``layers`` layers (random weights), and a batch of 12
+    sequences of 1024 tokens."""
+    config = GPT2Config(n_layer=layers, n_embd=1024, n_head=16, n_positions=1024)
+    return lambda: GPT2LMHeadModel(config), torch.randint(0, config.vocab_size, (12, 1024))
+
+
+def llama_shape() -> tuple[Any, torch.Tensor]:
+    """A builder of the Llama-3-8B shape (random weights), and one sequence of 8192 tokens."""
+    config = LlamaConfig(
+        num_hidden_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        max_position_embeddings=8192,
+        vocab_size=128256,
+    )
+    return lambda: LlamaForCausalLM(config), torch.randint(0, config.vocab_size, (1, 8192))
+
+
 PLANNERS = {"auto": plan_auto, "milp": plan_milp}
 
 
@@ -113,45 +134,14 @@ def main() -> None:
     wanted = set(args.models.split(","))
     rows = []
     for layers in (12, 24, 48):
-        if f"gpt2-medium-{layers}" not in wanted:
-            continue
-        config = GPT2Config(n_layer=layers, n_embd=1024, n_head=16, n_positions=1024)
-        ids = torch.randint(0, config.vocab_size, (12, 1024))
-        rows.append(
-            _case(
-                f"gpt2-medium-{layers}",
-                lambda c=config: GPT2LMHeadModel(c),
-                ids,
-                _lm_step,
-                0.6,
-                False,
-                args.planner,
-                args.repeats,
-            )
-        )
-    llama = LlamaConfig(
-        num_hidden_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        intermediate_size=14336,
-        max_position_embeddings=8192,
-        vocab_size=128256,
-    )
-    ids = torch.randint(0, llama.vocab_size, (1, 8192))
+        if f"gpt2-medium-{layers}" in wanted:
+            build, ids = gpt2_medium(layers)
+            case = (f"gpt2-medium-{layers}", build, ids, _lm_step, 0.6, False)
+            rows.append(_case(*case, args.planner, args.repeats))
     if "llama" in wanted:
-        rows.append(
-            _case(
-                "llama-3-8b-shape",
-                lambda: LlamaForCausalLM(llama),
-                ids,
-                _half_step,
-                0.7,
-                True,
-                args.planner,
-                args.repeats,
-            )
-        )
+        build, ids = llama_shape()
+        case = ("llama-3-8b-shape", build, ids, _half_step, 0.7, True)
+        rows.append(_case(*case, args.planner, args.repeats))
     write_rows(args.out, "h100-80gb", rows, planner=args.planner)
 
 

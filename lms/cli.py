@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lms.core.errors import LMSError, PlanInfeasibleError
-from lms.core.units import parse_bytes
+from lms.core.units import parse_bytes, parse_share
 from lms.core.version import __version__
 
 __all__ = ["EXIT_CODES", "main"]
@@ -290,7 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     analyze = add_command("analyze", help="trace a step with fake tensors and simulate")
     _add_model_args(analyze)
-    analyze.add_argument("--gpu-memory", type=str, default=None, help="e.g. 32GiB")
+    analyze.add_argument(
+        "--gpu-memory",
+        type=str,
+        default=None,
+        help="device memory for the step, e.g. 32GiB, or a share of its simulated peak without "
+        "offload, e.g. 60%% (default: the spec's memory)",
+    )
     analyze.add_argument(
         "--device-spec",
         default="v100-32gb",
@@ -476,7 +482,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"  # for the processes it starts (ops timed, bench runs)
     try:
-        if getattr(args, "gpu_memory", None) is not None:
+        # analyze also takes a share of the step's peak; a sweep's is the device's memory
+        memory = getattr(args, "gpu_memory", None)
+        if memory is not None and (
+            args.command != "analyze" or parse_share(memory, field="--gpu-memory") is None
+        ):
             parse_bytes(args.gpu_memory, field="--gpu-memory", positive=True)
         if getattr(args, "model", None) is not None:
             from lms.harness.zoo import zoo_model

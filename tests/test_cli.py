@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lms.cli import EXIT_CODES, build_parser, main
+from lms.cli import EXIT_CODES, EXIT_NO_PLAN, build_parser, main
 from tests.conftest import check_schema
 
 
@@ -31,6 +31,16 @@ def test_no_plan_that_fits_is_its_own_exit_code():
     done = _lms("-q", "analyze", "--model", "tinylm", "--image-size", "64", "--gpu-memory", "2GiB")
     assert done.returncode == 3, done.stderr
     assert 3 in EXIT_CODES and "no plan fits" in EXIT_CODES[3]
+
+
+def test_analyze_takes_a_share_of_the_steps_peak_and_a_sweep_refuses_one(tmp_path):
+    out = tmp_path / "report.json"
+    argv = ["-q", "analyze", "--model", "tinylm", "--seq-len", "64", "--gpu-memory", "60%"]
+    assert main([*argv, "--json", str(out)]) == EXIT_NO_PLAN  # tinylm: its weights alone
+    report = json.loads(out.read_text())
+    assert report["gpu_memory_bytes"] == int(0.6 * report["peak_bytes"])
+    sweep = ["-q", "sweep", "--model", "tinylm", "--gpu-memory", "60%", "--step", "64"]
+    assert main(sweep) == 2
 
 
 def test_every_bench_run_failing_is_its_own_exit_code(monkeypatch, tmp_path):

@@ -19,7 +19,7 @@ from lms.core.devices import LINK_MARGIN, DeviceSpec, device_spec
 from lms.core.errors import PlanInfeasibleError
 from lms.core.plan import Plan
 from lms.core.records import Trace
-from lms.core.units import parse_bytes
+from lms.core.units import parse_bytes, parse_share
 from lms.orchestration.split import faster_in_slabs, fit_in_slabs
 
 if TYPE_CHECKING:
@@ -179,7 +179,9 @@ def analyze(
         model: a module, or a function that builds one (built under fake tensors: no memory).
         batch: the input tensors (as `trace_step` takes them), or a function that makes them.
         step_fn: ``step_fn(model, batch)`` runs forward, loss and backward.
-        gpu_memory: device memory the step may use (default: the spec's whole memory).
+        gpu_memory: device memory the step may use (default: the spec's whole memory), or a
+            share of the step's simulated peak without offload (``"60%"``), as `lms.LMS` takes
+            its budget.
         device_spec: a `DeviceSpec` or its name (see `lms.core.devices.DEVICES`); "local"
             for this machine's device with its rates measured
             (`lms.orchestration.local.local_device_spec`).
@@ -197,14 +199,18 @@ def analyze(
             `lms.LMS` does (Note [Which submodules run in slabs]).
 
     Raises:
-        ValueError: ``gpu_memory`` is not a size above 0, before anything is traced.
+        ValueError: ``gpu_memory`` is not a size above 0 or a percent in (0, 100], before
+            anything is traced.
     """
     spec = device_spec if isinstance(device_spec, DeviceSpec) else _spec(device_spec)
     if host_memory is not None:
         spec = spec.with_host_memory(host_memory)
+    share = parse_share(gpu_memory, field="gpu_memory")
     budget = (
         spec.memory_bytes
         if gpu_memory is None
+        else 0
+        if share is not None
         else parse_bytes(gpu_memory, field="gpu_memory", positive=True)
     )
     started = time.perf_counter()
@@ -219,8 +225,11 @@ def analyze(
         min_offload_bytes=min_offload_bytes,
         name=name,
     )
+    whole = traced()
+    if share is not None:  # a share of the step's own peak without offload, as LMS takes one
+        budget = int(share * simulate(whole, None, spec, half=half).peak_bytes)
     trace = fit_in_slabs(
-        traced, spec, budget, half=half, free_held=free_held, trace=traced(), allowed=slabs
+        traced, spec, budget, half=half, free_held=free_held, trace=whole, allowed=slabs
     )
     trace_seconds = time.perf_counter() - started
     if device_spec == "local":

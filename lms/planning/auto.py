@@ -1,5 +1,6 @@
 """The default planner: the per-tensor plan (or, for a deep stack of repeated blocks, the
-per-role plan) and TFLMS's tuned set, whichever is predicted faster."""
+per-role plan, and the mixed-integer plan where that one is predicted slow) and TFLMS's tuned
+set, whichever is predicted faster."""
 
 from __future__ import annotations
 

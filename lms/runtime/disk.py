@@ -232,14 +232,16 @@ class SpillStore:
         return self._pool.submit(self._run, "out", key, self._write, [data])
 
     # Note: [The I/O thread lets go of a storage before it says it is done]
-    # A thread pool's worker keeps the arguments of the call it ran until it takes the next one,
-    # after the future says the call is done. The step, woken by that future, drops its own
-    # reference and goes on; were the write's storage among those arguments, it would stay
-    # allocated until the worker ran again, which on a loaded machine came after the step's next
+    # A thread pool's worker keeps the call it ran, its arguments and its future with the
+    # result, until it takes the next one, after the future says the call is done. The step,
+    # woken by that future, drops its own reference and goes on; were a storage among those
+    # arguments or the result, it would stay allocated until the worker ran again, which on a
+    # loaded machine (the worker preempted while the step waited) came after the step's next
     # activation was allocated: a storage more at the peak than the plan has (a CPU step
-    # measured 52 MB, one activation, over its simulated peak). So a call's data travels in a
-    # list that the worker empties, and the storage's last reference on the I/O thread is a
-    # local of a frame that returns before the future is told.
+    # measured 52 MB, one activation, over its simulated peak, in one step of three). So a
+    # call's data travels in a list that the worker empties, a read's result is None (the
+    # caller keeps the tensor it reads into), and the storage's last reference on the I/O
+    # thread is a local of a frame that returns before the future is told.
     def _run(
         self, direction: str, key: int, work: Callable[[int, torch.Tensor], Any], box: list[Any]
     ) -> Any:
@@ -298,8 +300,10 @@ class SpillStore:
             with _suppress_os_error():
                 os.close(old.fd)
 
-    def read(self, key: int, into: torch.Tensor) -> concurrent.futures.Future[torch.Tensor]:
-        """Start reading the file of ``key`` into ``into`` (a CPU uint8 tensor of its size).
+    def read(self, key: int, into: torch.Tensor) -> concurrent.futures.Future[None]:
+        """Start reading the file of ``key`` into ``into`` (a CPU uint8 tensor of its size),
+        which the caller keeps: the future's result is None (Note [The I/O thread lets go of a
+        storage before it says it is done]).
 
         The future raises `SpillError` where the file is gone (the store was closed) or its
         bytes are not those written (Note [Spill files are checked when read back])."""
@@ -310,7 +314,7 @@ class SpillStore:
             )
         return self._pool.submit(self._run, "in", key, self._read, [into])
 
-    def _read(self, key: int, into: torch.Tensor) -> torch.Tensor:
+    def _read(self, key: int, into: torch.Tensor) -> None:
         with self._lock:
             record = self._files.get(key)
         if record is None:
@@ -337,7 +341,6 @@ class SpillStore:
                 f"written {record.digest:016x}); its data was not used. Check the disk under "
                 "the spill_dir, pass another spill_dir, or use tier='host'"
             )
-        return into
 
     def delete(self, key: int, nbytes: int) -> None:
         """Close the file of ``key`` once the thread is done with it; the kernel frees it."""

@@ -61,6 +61,7 @@ class Entry:
         "gaps",
         "emptied",
         "into",
+        "reading",
     )
 
     def __init__(self, key: int, ordinal: int, storage: torch.UntypedStorage, device: torch.device):
@@ -93,6 +94,7 @@ class Entry:
         self.gaps: list[tuple[int, int]] = []  # (empty_at, fill_at) still to come, in forward
         self.emptied = False  # its device storage, which the code holds, is empty for now
         self.into: torch.Tensor | None = None  # that device storage, while its file is read
+        self.reading: torch.Tensor | None = None  # the host tensor its file is read into
 
     def note_copied(self) -> None:
         """Remember its base's version as its bytes leave the device (copied out, or dropped to be
@@ -398,6 +400,7 @@ class Offloader:
                 into = torch.empty(entry.nbytes, dtype=torch.uint8)
             if self.log is not None:
                 self.log.spill_asked("in", entry.key, entry.ordinal, entry.nbytes)
+            entry.reading = into
             entry.loading = self._disk_store().read(entry.key, into)
         else:
             assert entry.host_buf is not None
@@ -460,7 +463,9 @@ class Offloader:
         mark = None if self.log is None else self.log.mark()
         loading, entry.loading = entry.loading, None
         if isinstance(loading, concurrent.futures.Future):
-            data = loading.result()
+            loading.result()
+            data, entry.reading = entry.reading, None
+            assert data is not None
             if entry.device.type != "cpu":
                 into, entry.into = entry.into, None
                 data = data.to(entry.device) if into is None else into.copy_(data)
@@ -507,6 +512,7 @@ class Offloader:
         entry.loading = None
         entry.pending_out = None
         entry.into = None
+        entry.reading = None
 
     def _fill_quietly(self, entry: Entry) -> None:
         """`fill`, where a failed read must not stop the rest of a release: the error is kept

@@ -199,24 +199,25 @@ def test_spill_files_leave_storages_resizable(tmp_path):
     assert data.untyped_storage().resizable() and into.untyped_storage().resizable()
 
 
-def test_the_io_thread_keeps_no_reference_once_a_write_is_done(tmp_path):
+def test_the_io_thread_keeps_no_reference_once_a_copy_is_done(tmp_path):
     # Note [The I/O thread lets go of a storage before it says it is done]: what the pool's
-    # worker still holds after the future is done is the arguments it was given
+    # worker still holds after a future is done is the arguments it was given and the result
     store = SpillStore(str(tmp_path))
     given = []
     submit = store._pool.submit
     store._pool.submit = lambda *args: given.append(args) or submit(*args)  # type: ignore
     data = torch.arange(4096, dtype=torch.int32).view(torch.uint8)
-    alive = weakref.ref(data)
+    into = torch.empty_like(data)
+    alive = [weakref.ref(data), weakref.ref(into)]
     store.write(0, data).result()
-    into = store.read(0, torch.empty_like(data)).result()
+    assert store.read(0, into).result() is None  # the caller keeps what it reads into
     store.close()
     assert torch.equal(into, data)
-    held = [arg for args in given for arg in args if arg is data or isinstance(arg, list) and arg]
-    assert held == []
+    held = [a for args in given for a in args if isinstance(a, (list, torch.Tensor))]
+    assert all(isinstance(a, list) and not a for a in held)  # data travelled in emptied lists
     given.clear()
-    del data
-    assert alive() is None
+    del data, into
+    assert [ref() for ref in alive] == [None, None]
 
 
 def test_plans_name_only_offloaded_tensors_to_empty():

@@ -11,6 +11,9 @@ from lms.core.units import format_bytes
 
 __all__ = ["info_lines"]
 
+_MATRIX_PRODUCTS = frozenset(f"aten.{name}.default" for name in ("mm", "addmm", "bmm", "baddbmm"))
+"""The ops whose outputs the `[LMS]` lines count as matrix products' when a plan replays them."""
+
 
 # Long by design: the `[LMS]` lines of a report in the order they print, one block each.
 def info_lines(
@@ -81,15 +84,22 @@ def info_lines(
     if plan.recompute:
         found = recipes(trace)
         remade = set(plan.recompute)
-        convolutions = sum(
-            trace.ops[found[i].ops[0]].name == "aten.convolution.default" for i in plan.recompute
-        )
+        heavy = {"aten.convolution.default": 0, "matrix": 0}
+        for i in plan.recompute:
+            first = trace.ops[found[i].ops[0]].name
+            if first in heavy:
+                heavy[first] += 1
+            elif first in _MATRIX_PRODUCTS:
+                heavy["matrix"] += 1
         chained = sum(bool(set(found[i].inputs) & remade) for i in plan.recompute)
+        kinds = f"{heavy['aten.convolution.default']} of them convolutions' outputs"
+        if heavy["matrix"]:
+            kinds += f", {heavy['matrix']} matrix products'"
         lines.append(
             f"[LMS] Recompute {len(plan.recompute)} saved storages in backward instead "
             f"({format_bytes(planned.recomputed_bytes)}, "
-            f"{planned.recompute_s * 1e3:.1f} ms of extra compute); {convolutions} of them "
-            f"convolutions' outputs, {chained} made from other recomputed ones"
+            f"{planned.recompute_s * 1e3:.1f} ms of extra compute); {kinds}, {chained} made "
+            "from other recomputed ones"
         )
     if plan.free_held:
         emptied = sum(trace.entries()[i][1] for i in plan.free_held)

@@ -15,13 +15,9 @@ import time
 from typing import Any
 
 import torch
-from tune_time import _half_step, _lm_step, gpt2_medium, llama_shape, write_rows  # beside it
+from tune_time import PLANNERS, _half_step, _lm_step, gpt2_medium, llama_shape, write_rows
 
 from lms.analysis import device_spec, simulate, trace_step
-from lms.planning import plan_auto
-from lms.planning.milp import plan_milp
-
-PLANNERS = {"auto": plan_auto, "milp": plan_milp}
 
 
 def _models() -> list[tuple[str, Any, torch.Tensor, Any, tuple[float, ...], bool]]:

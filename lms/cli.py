@@ -487,7 +487,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if memory is not None and (
             args.command != "analyze" or parse_share(memory, field="--gpu-memory") is None
         ):
-            parse_bytes(args.gpu_memory, field="--gpu-memory", positive=True)
+            parse_bytes(memory, field="--gpu-memory", positive=True)
         if getattr(args, "model", None) is not None:
             from lms.harness.zoo import zoo_model
 

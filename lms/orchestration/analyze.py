@@ -205,12 +205,10 @@ def analyze(
     spec = device_spec if isinstance(device_spec, DeviceSpec) else _spec(device_spec)
     if host_memory is not None:
         spec = spec.with_host_memory(host_memory)
-    share = parse_share(gpu_memory, field="gpu_memory")
+    share = parse_share(gpu_memory, field="gpu_memory")  # then set from the traced step
     budget = (
         spec.memory_bytes
-        if gpu_memory is None
-        else 0
-        if share is not None
+        if gpu_memory is None or share is not None
         else parse_bytes(gpu_memory, field="gpu_memory", positive=True)
     )
     started = time.perf_counter()

@@ -5,11 +5,11 @@ set, whichever is predicted faster."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import logging
 
 from lms.core.devices import DeviceSpec
 from lms.core.errors import PlanInfeasibleError
+from lms.core.extras import installed
 from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.planning.blocks import plan_blocks, repeats
@@ -114,9 +114,6 @@ and a step that costs half as much again pays for the extra second or two of pla
 # `solver` extra), and not for plans that empty what the code holds, which it does not model;
 # the simulator judges its plan as any other. Measured: benchmarks/results/README.md, "Planning
 # time for language models".
-def _solver() -> bool:
-    """Whether scipy, which the mixed-integer planner needs, is installed."""
-    return importlib.util.find_spec("scipy") is not None
 
 
 def _fastest(
@@ -148,7 +145,8 @@ def _fastest(
                 plan_blocks(trace, spec, budget_bytes, half=half, free_held=free_held, depths=wider)
             )
         fastest = min(candidates, key=lambda plan: (plan.predicted_overhead, len(plan.offload)))
-        if fastest.predicted_overhead > WIDER_SEARCH_OVERHEAD and not free_held and _solver():
+        slow = fastest.predicted_overhead > WIDER_SEARCH_OVERHEAD
+        if slow and not free_held and installed("scipy"):
             # Note [A tight budget asks the solver too]
             log.info(
                 "[LMS] [Planner] predicted %+.1f%%: solving the choice as a mixed-integer "

@@ -84,17 +84,12 @@ def info_lines(
     if plan.recompute:
         found = recipes(trace)
         remade = set(plan.recompute)
-        heavy = {"aten.convolution.default": 0, "matrix": 0}
-        for i in plan.recompute:
-            first = trace.ops[found[i].ops[0]].name
-            if first in heavy:
-                heavy[first] += 1
-            elif first in _MATRIX_PRODUCTS:
-                heavy["matrix"] += 1
+        made_by = [trace.ops[found[i].ops[0]].name for i in plan.recompute]
+        products = sum(name in _MATRIX_PRODUCTS for name in made_by)
         chained = sum(bool(set(found[i].inputs) & remade) for i in plan.recompute)
-        kinds = f"{heavy['aten.convolution.default']} of them convolutions' outputs"
-        if heavy["matrix"]:
-            kinds += f", {heavy['matrix']} matrix products'"
+        kinds = f"{made_by.count('aten.convolution.default')} of them convolutions' outputs"
+        if products:
+            kinds += f", {products} matrix products'"
         lines.append(
             f"[LMS] Recompute {len(plan.recompute)} saved storages in backward instead "
             f"({format_bytes(planned.recomputed_bytes)}, "

@@ -1,6 +1,6 @@
 """On a CUDA device: bitwise equality, a stream-race stress test, real memory savings."""
 
-import contextlib
+import functools
 
 import pytest
 import torch
@@ -255,32 +255,18 @@ def test_a_transformers_replays_are_bitwise_on_cuda(kind, half):
     pytest.importorskip("transformers")
     from lms.analysis import trace_step
     from tests.conftest import recomputing_plan
-    from tests.integrations.test_hf_exact import _model
+    from tests.integrations.test_hf_exact import _model, _run, _step
 
     model = _model(kind).cuda()
     ids = torch.randint(0, 256, (2, 64), device="cuda")
-
-    def step(m, batch):
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=half):
-            loss = m(input_ids=batch[0], labels=batch[0]).loss
-        loss.backward()
-        return loss
-
+    step = functools.partial(_step, half=half)  # autocast on the batch's device
     trace = trace_step(model, [ids], step, device="cuda", min_offload_bytes=0)
     plan = recomputing_plan(trace)
     assert plan.recompute
-
-    def run(offload=None):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(0)
-        with offload if offload is not None else contextlib.nullcontext():
-            loss = step(model, [ids])
-        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
-
-    ref = run()
+    ref = _run(model, ids, half)
     offload = lms.LMS(plan=plan, min_offload_bytes=0)
     for number in range(1, 3):
-        assert_bitwise(ref, run(offload))
+        assert_bitwise(ref, _run(model, ids, half, offload))
         assert offload.stats.recomputed_tensors == number * len(plan.recompute)
     assert offload.stats.replays_differed == 0
     offload.close()

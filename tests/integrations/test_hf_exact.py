@@ -41,7 +41,9 @@ def _model(kind):
 
 
 def _step(model, batch, half=False):
-    mixed = torch.autocast("cpu", dtype=torch.bfloat16) if half else contextlib.nullcontext()
+    """The model's own loss and its backward; with ``half``, under bfloat16 autocast on the
+    batch's device."""
+    mixed = torch.autocast(batch[0].device.type, dtype=torch.bfloat16, enabled=half)
     with mixed:
         loss = model(input_ids=batch[0], labels=batch[0]).loss
     loss.backward()

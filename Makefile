@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(VENV)/bin/lms demo --out out/demo
 
+# The tests that measure nothing on two workers, a file to each; then those that measure a process's
+# memory (marked serial), alone, since a neighbour's load shifts when the runtime's copies land.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile -m 'not serial'
+	$(VENV)/bin/python -m pytest -q -m serial
 
 # The API reference from the docstrings; a warning fails it.
 docs: $(STAMP)

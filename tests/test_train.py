@@ -531,6 +531,7 @@ def test_a_step_the_model_cannot_take_is_a_typed_error_before_training(method, c
     assert raised.value.where.endswith("in _verify_batch_size")
 
 
+@pytest.mark.serial
 def test_the_demo_trains_past_its_budget_within_it_as_simulated(tmp_path):
     """The main job, in a fresh process: its measured peak (the weights and batch the step
     starts with, then the heap's growth) stays within the budget, near the simulated peak."""

@@ -13,6 +13,8 @@ import pytest
 
 from lms.harness.memory import PeakMemory, heap_in_use_bytes, sampled_steps, steady_times
 
+pytestmark = pytest.mark.serial  # measured alone (pyproject.toml's markers)
+
 GLIBC = platform.libc_ver()[0] == "glibc" and tuple(
     int(part) for part in platform.libc_ver()[1].split(".")[:2]
 ) >= (2, 33)

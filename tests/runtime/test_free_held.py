@@ -263,6 +263,7 @@ MEASURED = (
 )
 
 
+@pytest.mark.serial
 def test_emptying_lowers_the_measured_heap_as_simulated(spill_dir):
     """A budget below what any plan needs without ``free_held`` (80.1 MiB here) is refused
     without it; with it the C heap grows as simulated (within 2%) and stays within the budget."""
@@ -339,6 +340,7 @@ GAPPED = (
 )
 
 
+@pytest.mark.serial
 def test_a_tensor_held_across_forwards_largest_op_goes_out_between_its_reads(spill_dir):
     """Note [Gaps in what the code holds]: emptying only after forward's last read cannot go
     below the floor of the op that runs between the two reads; with the gap emptied, a budget
@@ -466,6 +468,7 @@ UNET = COMMON + textwrap.dedent(
 )
 
 
+@pytest.mark.serial
 def test_a_3d_unet_trains_on_disk_under_a_budget_its_held_encoder_outputs_would_break(spill_dir):
     """Without emptying what the code holds (or slabs), no plan fits this budget; with it the
     U-Net's steps are bitwise, and the C heap grows as simulated (within 2%) and within the

@@ -329,6 +329,7 @@ def _measure(folder, model):
     return script_json(SCRIPT, folder, model)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize(
     ("model", "partials"),
     [("Residual", 4), ("Fan", 3)],  # 4 junctions of two; one of three

@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import script_json
 
+pytestmark = pytest.mark.serial  # measured alone (pyproject.toml's markers)
+
 # A channels-last conv stack (one layer: conv, then each of `layer`), its step, and the peak growth
 # of the C heap in use over each of three steps (or ``steps``) under an `LMS`
 # (`lms.harness.memory`).

@@ -60,6 +60,7 @@ UNET = COMMON + textwrap.dedent(
 )
 
 
+@pytest.mark.serial
 def test_a_3d_unet_whose_whole_step_fits_no_plan_trains_in_slabs_under_its_budget(spill_dir):
     """No plan of the whole step fits; the planned step runs the decoder's last block in
     slabs, its steps are bitwise those of the same slabs without LMS, and the C heap grows as

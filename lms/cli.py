@@ -294,8 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory",
         type=str,
         default=None,
-        help="device memory for the step, e.g. 32GiB, or a share of its simulated peak without "
-        "offload, e.g. 60%% (default: the spec's memory)",
+        help="device memory for the step, e.g. 32GiB, or a share of its simulated peak of tensors "
+        "without offload, e.g. 60%%, beside the libraries' workspace (default: the spec's memory)",
     )
     analyze.add_argument(
         "--device-spec",
@@ -351,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--budget",
         default=None,
-        help="device memory for the step, e.g. 32GiB, or a share of its simulated peak without "
-        "offload, e.g. 60%%",
+        help="device memory for the step, e.g. 32GiB, or a share of its simulated peak of tensors "
+        "without offload, e.g. 60%%, beside the libraries' workspace",
     )
     train.add_argument(
         "--tier",

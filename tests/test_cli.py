@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from lms.analysis import device_spec
 from lms.cli import EXIT_CODES, EXIT_NO_PLAN, build_parser, main
 from tests.conftest import check_schema
 
@@ -34,11 +35,16 @@ def test_no_plan_that_fits_is_its_own_exit_code():
 
 
 def test_analyze_takes_a_share_of_the_steps_peak_and_a_sweep_refuses_one(tmp_path):
+    """The share is of the step's tensors: the spec's workspace (512 MiB) comes on top, whole,
+    else a small step's 60% could lie under the workspace alone."""
     out = tmp_path / "report.json"
     argv = ["-q", "analyze", "--model", "tinylm", "--seq-len", "64", "--gpu-memory", "60%"]
     assert main([*argv, "--json", str(out)]) == EXIT_NO_PLAN  # tinylm: its weights alone
     report = json.loads(out.read_text())
-    assert report["gpu_memory_bytes"] == int(0.6 * report["peak_bytes"])
+    workspace = device_spec("v100-32gb").workspace_bytes
+    tensors = report["peak_bytes"] - workspace
+    assert workspace > 0 and tensors > 0
+    assert report["gpu_memory_bytes"] == workspace + int(0.6 * tensors)
     sweep = ["-q", "sweep", "--model", "tinylm", "--gpu-memory", "60%", "--step", "64"]
     assert main(sweep) == 2
 

@@ -26,7 +26,7 @@ from lms.core.devices import DeviceSpec
 from lms.core.plan import Plan
 from lms.core.records import JunctionRecord, StorageRecord, Trace
 
-__all__ = ["SimResult", "simulate", "runtime_plan", "Interval", "op_seconds"]
+__all__ = ["SimResult", "simulate", "runtime_plan", "Interval", "op_seconds", "share_of_peak"]
 
 
 class Interval(NamedTuple):
@@ -207,6 +207,15 @@ def runtime_plan(trace: Trace, budget_bytes: int, *, swapin_ahead: int = 2) -> P
         swapin_ahead=swapin_ahead,
         budget_bytes=budget_bytes,
     )
+
+
+def share_of_peak(trace: Trace, spec: DeviceSpec, share: float, *, half: bool = False) -> int:
+    """The budget that a share such as ``"60%"`` asks for: that share of the step's simulated
+    peak of tensors without offload, with the workspace ``spec`` keeps free for libraries on top,
+    whole. No plan lowers the workspace, so a share of it would only make a small step's budget
+    impossible (60% of a 23 MiB step beside a 512 MiB workspace is under the workspace alone)."""
+    tensors = simulate(trace, None, spec, half=half).peak_bytes - spec.workspace_bytes
+    return int(share * tensors) + spec.workspace_bytes
 
 
 def simulate(

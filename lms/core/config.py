@@ -53,8 +53,10 @@ class LMSConfig:
     budget: int | str | None = None
     """Device memory the step may use (bytes), its weights, batch and gradients included but not
     optimizer state, which needs room of its own; None means no limit (offload by threshold
-    only). A percent such as ``"60%"`` is that share of the step's peak without offload, as
-    simulated from its trace: `lms.LMS.tune` sets the budget in bytes from it (`budget_share`)."""
+    only). A percent such as ``"60%"`` is that share of the step's peak of tensors without
+    offload, as simulated from its trace, with the workspace the device keeps free for libraries
+    on top (`lms.analysis.simulate.share_of_peak`): `lms.LMS.tune` sets the budget in bytes from
+    it (`budget_share`)."""
     tier: Tier = "auto"
     """Where offloaded data goes: "auto" (host memory from a CUDA device, disk from the CPU),
     "host" (pinned host memory only) or "disk" (spill files)."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lms.analysis.simulate import SimResult, runtime_plan, simulate
+from lms.analysis.simulate import SimResult, runtime_plan, share_of_peak, simulate
 from lms.analysis.trace import StepFn, trace_step
 from lms.core.config import AUTO_MIN_OFFLOAD_BYTES
 from lms.core.devices import LINK_MARGIN, DeviceSpec, device_spec
@@ -181,7 +181,7 @@ def analyze(
         step_fn: ``step_fn(model, batch)`` runs forward, loss and backward.
         gpu_memory: device memory the step may use (default: the spec's whole memory), or a
             share of the step's simulated peak without offload (``"60%"``), as `lms.LMS` takes
-            its budget.
+            its budget (`lms.analysis.simulate.share_of_peak`).
         device_spec: a `DeviceSpec` or its name (see `lms.core.devices.DEVICES`); "local"
             for this machine's device with its rates measured
             (`lms.orchestration.local.local_device_spec`).
@@ -225,7 +225,7 @@ def analyze(
     )
     whole = traced()
     if share is not None:  # a share of the step's own peak without offload, as LMS takes one
-        budget = int(share * simulate(whole, None, spec, half=half).peak_bytes)
+        budget = share_of_peak(whole, spec, share, half=half)
     trace = fit_in_slabs(
         traced, spec, budget, half=half, free_held=free_held, trace=whole, allowed=slabs
     )

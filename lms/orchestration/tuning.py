@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lms.analysis.simulate import simulate
+from lms.analysis.simulate import share_of_peak, simulate
 from lms.analysis.trace import StepFn, trace_step
 from lms.core.devices import FRESH_PAGES_BYTES, DeviceSpec
 from lms.core.errors import HostMemoryError, SpillError
@@ -93,7 +93,8 @@ def tune_step(
     plan may run submodules in slabs (`lms.LMSConfig.slabs`). ``cpu_resident``: on a CPU,
     whether the runtime gives freed memory back as it runs (`lms.LMSConfig.cpu_resident`), which
     sets which storages fault their pages in afresh. ``budget_share``: the budget is that share
-    of the traced step's simulated peak without offload, in place of ``budget_bytes``.
+    of the traced step's simulated peak without offload (`lms.analysis.simulate.share_of_peak`),
+    in place of ``budget_bytes``.
 
     Raises:
         PlanInfeasibleError: when no plan fits the device budget.
@@ -127,12 +128,12 @@ def tune_step(
         trace = traced()
         half = autocast is not None
         if budget_share is not None:
-            peak = simulate(trace, None, spec, half=half).peak_bytes
-            budget = int(budget_share * peak)
+            budget = share_of_peak(trace, spec, budget_share, half=half)
             log.info(
-                "[LMS] budget %.0f%% of the step's peak without offload (%s, simulated): %s",
+                "[LMS] budget %.0f%% of the step's peak of tensors without offload (simulated), "
+                "and the %s kept free for libraries: %s",
                 100 * budget_share,
-                format_bytes(peak),
+                format_bytes(spec.workspace_bytes),
                 format_bytes(budget),
             )
         choose: Any = planner or plan_auto

@@ -151,6 +151,34 @@ def test_analyze_plans_in_slabs_only_where_allowed_and_needed():
     assert roomy.trace.slabs == ()
 
 
+def test_slabs_are_not_traced_where_they_cannot_lower_the_floor():
+    """Slabs lower neither the spec's workspace, nor the weights, batch and gradients the step
+    holds at its end: a budget under those is refused without tracing a slab (each trace in
+    slabs of a long feature extractor takes half a minute)."""
+    from lms.analysis import simulate, trace_step
+    from lms.orchestration.split import _floor_error, fit_in_slabs
+
+    wide = [torch.nn.Conv2d(256, 256, 3, padding=1) for _ in range(3)]  # weights over activations
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 256, 3, padding=1), *wide)
+    x = torch.randn(1, 3, 24, 24)
+    whole = trace_step(model, [x], _unet_step, device="cpu")
+    spec = dataclasses.replace(lms.device_spec("cpu"), workspace_bytes=64 * 2**20)
+    held = whole.param_bytes + whole.buffer_bytes + whole.input_bytes + whole.gradient_bytes
+    traced = []
+
+    def trace_with(slabs):
+        traced.append(slabs)
+        return trace_step(model, [x], _unet_step, device="cpu", slabs=slabs)
+
+    floor = _floor_error(whole, spec, 1, half=False, free_held=False).min_budget_bytes
+    under = spec.workspace_bytes + held - 1
+    ours = spec.workspace_bytes
+    assert under - ours > 0.5 * (floor - ours)  # the share of the floor searched: not what refuses
+    assert fit_in_slabs(trace_with, spec, under, trace=whole) is whole and traced == []
+    tensors = simulate(whole, None, spec).peak_bytes - spec.workspace_bytes
+    assert held < tensors  # the activations are what slabs could lower
+
+
 def test_a_tuned_plan_in_slabs_is_cached_and_loaded_for_its_step(tmp_path, caplog):
     from lms.orchestration.split import _floor_error
 

@@ -48,6 +48,8 @@ class Candidates:
         """Their gaps in forward, by ordinal."""
         self._results: dict[Plan | None, SimResult] = {}
         """Each plan simulated so far, and its result (Note [Each plan simulated once])."""
+        self.fastest_s = float("inf")
+        """The shortest predicted step of a plan simulated so far that fits."""
         # Note: [Inputs in plans]
         # An input, held by the caller since before the step, frees nothing when moved, and what
         # comes back is a second copy (which the simulator counts, for plans made otherwise, such
@@ -134,6 +136,8 @@ class Candidates:
                 result, timeline_s=(), device_bytes=(), host_bytes=(), residency=None
             )
             self._results[plan] = known
+            if plan is not None and self.fits(known):
+                self.fastest_s = min(self.fastest_s, known.step_s)
         return known
 
     def fits(self, result: SimResult) -> bool:

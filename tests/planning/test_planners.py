@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import lms
 from lms.analysis import device_spec, simulate, trace_step
+from lms.analysis.simulate import share_of_peak
 from lms.core.plan import Plan
 from lms.planning import plan_auto, plan_greedy, plan_milp, tune_tflms
 from lms.planning.candidates import Candidates
@@ -400,3 +401,31 @@ def test_transformer_step_follows_its_plan(tmp_path, caplog, frozen):
         assert_bitwise(ref, step(offload))
     assert "falling back" not in caplog.text
     assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
+
+
+def test_a_search_stops_at_a_plan_as_fast_as_the_step_without_offload(monkeypatch):
+    """Note [A search stops at the step without offload]: no move can beat such a plan by the
+    0.1% a move needs, so the search ends there with the plan it would have ended with."""
+    from lms.planning.greedy.search import Search
+
+    trace = trace_of(Chain)
+    spec = device_spec("v100")
+    budget = share_of_peak(trace, spec, 0.9)
+    plans, counts = [], []
+    real = Candidates.run
+
+    def counted(self, plan):
+        counts[-1] = max(counts[-1], self.simulations + (plan not in self._results))
+        return real(self, plan)
+
+    monkeypatch.setattr(Candidates, "run", counted)
+    for capped_only in (False, True):
+        if capped_only:
+            monkeypatch.setattr(
+                Search, "spent", lambda self: self.candidates.simulations >= self.max_simulations
+            )
+        counts.append(0)
+        plans.append(plan_greedy(trace, spec, budget))
+    assert plans[0].predicted_overhead <= 1e-3
+    assert (plans[0].offload, plans[0].recompute) == (plans[1].offload, plans[1].recompute)
+    assert counts[0] < counts[1] / 2, counts

@@ -54,16 +54,33 @@ def smallest_plan(candidates: Candidates, first: str = "relieve") -> tuple[Plan,
         # read soon after: moving them costs a copy back on top of the peak.
         result = plain
         how = "as it is (moving its saved tensors off the device raises its peak)"
-    op = candidates.trace.ops[result.peak_op] if candidates.trace.ops else None
-    largest = candidates.trace.largest_op
+    trace = candidates.trace
+    op = trace.ops[result.peak_op] if trace.ops else None
+    largest = trace.largest_op
     where = f"{op.name} at {op.module}" if op else "the step"
+    remedy = (
+        "raise the budget or lower the batch size or the input's size (resolution, sequence "
+        "length)" + _free_held_hint(candidates, result.peak_bytes)
+    )
+    workspace = candidates.spec.workspace_bytes
+    held = workspace + trace.param_bytes + trace.buffer_bytes + trace.gradient_bytes
+    if held > candidates.budget_bytes:  # no batch, input or plan lowers these
+        remedy = (
+            f"the weights, buffers and gradients alone take {format_bytes(held - workspace)}"
+            + (
+                f", beside the {format_bytes(workspace)} kept free for libraries"
+                if workspace
+                else ""
+            )
+            + ", over the budget whatever the batch: raise the budget, or shard the weights "
+            "over processes (FSDP)"
+        )
     raise PlanInfeasibleError(
         f"lms: budget {format_bytes(candidates.budget_bytes)} is below the "
         f"{format_bytes(result.peak_bytes)} that the step needs {how}: "
         f"{where} runs at that peak (the largest operation, "
         f"{largest.name} at {largest.module}, needs {format_bytes(largest.working_set_bytes)}"
-        " at once); raise the budget or lower the batch size or the input's size (resolution,"
-        " sequence length)" + _free_held_hint(candidates, result.peak_bytes),
+        f" at once); {remedy}",
         op_name=op.name if op else "",
         op_module=op.module if op else "",
         op_bytes=largest.working_set_bytes,

@@ -12,6 +12,7 @@ import lms
 from lms.analysis import device_spec, simulate, trace_step
 from lms.analysis.simulate import share_of_peak
 from lms.core.plan import Plan
+from lms.core.units import format_bytes
 from lms.planning import plan_auto, plan_greedy, plan_milp, tune_tflms
 from lms.planning.candidates import Candidates
 from lms.planning.greedy.restarts import kinds as _kinds
@@ -224,6 +225,24 @@ def test_infeasible_budget_names_the_op_and_the_minimum():
     # the minimum it names is enough
     plan = plan_auto(trace, spec, error.min_budget_bytes)
     assert simulate(trace, plan, spec).peak_bytes <= error.min_budget_bytes
+
+
+def test_a_budget_under_the_weights_and_their_gradients_says_no_batch_fits():
+    """Where the weights, buffers and gradients alone are over the budget, a smaller batch
+    cannot help: the error says so, with their size, where it otherwise asks for one."""
+    wide = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])  # 16 MiB of weights
+    trace = trace_step(wide, [torch.randn(8, 1024)], device="cpu")
+    spec = device_spec("cpu")
+    held = trace.param_bytes + trace.buffer_bytes + trace.gradient_bytes
+    with pytest.raises(lms.PlanInfeasibleError) as info:
+        plan_auto(trace, spec, held - 2**20)
+    assert "whatever the batch" in str(info.value) and "lower the batch" not in str(info.value)
+    assert format_bytes(held) in str(info.value)
+    floor = info.value.min_budget_bytes
+    assert floor > held  # the activations' share of the floor: a smaller batch lowers it
+    with pytest.raises(lms.PlanInfeasibleError) as info:
+        plan_auto(trace, spec, held + (floor - held) // 2)
+    assert "lower the batch size" in str(info.value)
 
 
 def test_tflms_logs_each_passing_set(caplog):

@@ -59,8 +59,7 @@ def smallest_plan(candidates: Candidates, first: str = "relieve") -> tuple[Plan,
     largest = trace.largest_op
     where = f"{op.name} at {op.module}" if op else "the step"
     remedy = (
-        "raise the budget or lower the batch size or the input's size (resolution, sequence "
-        "length)" + _free_held_hint(candidates, result.peak_bytes)
+        "raise the budget or lower the batch size or the input's size (resolution, sequence length)"
     )
     workspace = candidates.spec.workspace_bytes
     held = workspace + trace.param_bytes + trace.buffer_bytes + trace.gradient_bytes
@@ -75,6 +74,7 @@ def smallest_plan(candidates: Candidates, first: str = "relieve") -> tuple[Plan,
             + ", over the budget whatever the batch: raise the budget, or shard the weights "
             "over processes (FSDP)"
         )
+    remedy += _free_held_hint(candidates, result.peak_bytes)
     raise PlanInfeasibleError(
         f"lms: budget {format_bytes(candidates.budget_bytes)} is below the "
         f"{format_bytes(result.peak_bytes)} that the step needs {how}: "

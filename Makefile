@@ -17,7 +17,8 @@ demo: $(STAMP)
 	$(VENV)/bin/lms demo --out out/demo
 
 # The tests that measure nothing on two workers, a file to each; then those that measure a process's
-# memory (marked serial), alone, since a neighbour's load shifts when the runtime's copies land.
+# memory or plan on this CPU's measured rates (marked serial), alone, since a neighbour's load shifts
+# when the runtime's copies land and what the CPU measures.
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile -m 'not serial'
 	$(VENV)/bin/python -m pytest -q -m serial

@@ -206,6 +206,12 @@ class Trace:
 
     # -- derived -----------------------------------------------------------------------------
     @property
+    def weights_and_grads_bytes(self) -> int:
+        """The weights, buffers and gradients the step ends with: what no plan, slab or batch
+        size lowers."""
+        return self.param_bytes + self.buffer_bytes + self.gradient_bytes
+
+    @property
     def largest_op(self) -> OpRecord:
         """The op with the largest working set (inputs + outputs)."""
         return max(self.ops, key=lambda op: op.working_set_bytes)

@@ -76,10 +76,9 @@ def fit_in_slabs(
     """
     whole = trace if trace is not None else trace_with(slabs={})
     first = _floor_error(whole, spec, budget, half=half, free_held=free_held)
-    # no slab lowers the workspace kept free for libraries, what the step starts with, nor the
-    # gradients it ends with
-    fixed = spec.workspace_bytes + whole.param_bytes + whole.buffer_bytes + whole.input_bytes
-    fixed += whole.gradient_bytes
+    # no slab lowers the workspace kept free for libraries, the batch, the weights, nor the
+    # gradients the step ends with
+    fixed = spec.workspace_bytes + whole.input_bytes + whole.weights_and_grads_bytes
     hopeless = budget < fixed or (
         first is not None
         and budget - spec.workspace_bytes < _REACH * (first.min_budget_bytes - spec.workspace_bytes)

@@ -62,17 +62,14 @@ def smallest_plan(candidates: Candidates, first: str = "relieve") -> tuple[Plan,
         "raise the budget or lower the batch size or the input's size (resolution, sequence length)"
     )
     workspace = candidates.spec.workspace_bytes
-    held = workspace + trace.param_bytes + trace.buffer_bytes + trace.gradient_bytes
-    if held > candidates.budget_bytes:  # no batch, input or plan lowers these
+    if workspace + trace.weights_and_grads_bytes > candidates.budget_bytes:  # whatever the batch
+        beside = (
+            f", beside the {format_bytes(workspace)} kept free for libraries" if workspace else ""
+        )
         remedy = (
-            f"the weights, buffers and gradients alone take {format_bytes(held - workspace)}"
-            + (
-                f", beside the {format_bytes(workspace)} kept free for libraries"
-                if workspace
-                else ""
-            )
-            + ", over the budget whatever the batch: raise the budget, or shard the weights "
-            "over processes (FSDP)"
+            "the weights, buffers and gradients alone take "
+            f"{format_bytes(trace.weights_and_grads_bytes)}{beside}, over the budget whatever "
+            "the batch: raise the budget, or shard the weights over processes (FSDP)"
         )
     remedy += _free_held_hint(candidates, result.peak_bytes)
     raise PlanInfeasibleError(

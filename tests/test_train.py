@@ -223,6 +223,22 @@ def drop_rated_segmenter():
     )
 
 
+class _AsTensorResidual(torch.nn.Module):
+    """A residual block that wraps its skip in ``torch.as_tensor`` (as MONAI's HighResNet does):
+    a tensor factory, which a default device would move to its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(x) + torch.as_tensor(x)
+
+
+def as_tensor_residual():
+    return _AsTensorResidual()
+
+
 def no_convolution():
     return torch.nn.Linear(4, 4)
 
@@ -286,6 +302,7 @@ def tiny_bart():
     [
         ("volume_segmenter", [[1, 2, 12, 12, 12], [1, 12, 12, 12]]),
         ("drop_rated_segmenter", [[1, 1, 12, 12], [1, 12, 12]]),
+        ("as_tensor_residual", [[1, 2, 12, 12], [1, 12, 12]]),
         ("signal_regressor", [[1, 1, 12], [1, 1]]),
         ("token_classifier", [[1, 12], [1]]),
         ("tiny_llama", [[1, 12], [1, 12]]),

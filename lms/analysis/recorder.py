@@ -29,17 +29,24 @@ from lms.core.records import (
     TensorMeta,
 )
 
-__all__ = ["Recorder"]
+__all__ = ["OpsPastLimitError", "Recorder"]
 
 SKIPPED_OPS = {"aten.detach.default", "aten.alias.default", "prim.device.default"}
+
+
+class OpsPastLimitError(Exception):
+    """The step ran more ops than its trace was allowed (`Recorder.max_ops`)."""
 
 
 class Recorder(TorchDispatchMode):
     """Records every aten op, storage allocation and free, and saved-tensor event."""
 
-    def __init__(self, min_offload_bytes: int, values: Values | None = None):
+    def __init__(
+        self, min_offload_bytes: int, values: Values | None = None, max_ops: int | None = None
+    ):
         super().__init__()
         self.min_offload_bytes = min_offload_bytes
+        self.max_ops = max_ops
         self.values = values  # Note [A value the step reads is computed for real]
         self.ids: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.refs: dict[int, weakref.ref[Any]] = {}
@@ -198,6 +205,8 @@ class Recorder(TorchDispatchMode):
         if name in SKIPPED_OPS:
             return out
         index = len(self.ops)
+        if self.max_ops is not None and index >= self.max_ops:
+            raise OpsPastLimitError
         phase = self.phase()
         inputs: dict[int, int] = {}
         for arg in taken:

@@ -31,13 +31,13 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis import fsdp
-from lms.analysis.recorder import Recorder
+from lms.analysis.recorder import OpsPastLimitError, Recorder
 from lms.analysis.values import Values
 from lms.core.config import AUTO_MIN_OFFLOAD_BYTES
 from lms.core.errors import LMSError, StepStateError, UnplannableStepError, step_failed
 from lms.core.keep import is_plain, leave_modules
 from lms.core.records import Trace
-from lms.core.slabs import split_modules
+from lms.core.slabs import SplitError, split_modules
 
 __all__ = ["trace_step", "default_step", "primary_output", "batch_shape", "StepFn"]
 
@@ -539,6 +539,7 @@ def trace_step(
     min_offload_bytes: int = AUTO_MIN_OFFLOAD_BYTES,
     name: str = "model",
     slabs: Mapping[str, int] | None = None,
+    max_ops: int | None = None,
 ) -> Trace:
     """Run one training step under `FakeTensorMode` and record it.
 
@@ -557,9 +558,12 @@ def trace_step(
         name: the name reports give the model.
         slabs: submodules that run in slabs along their first spatial dimension, by name, with
             how many (`lms.core.slabs.split_modules`).
+        max_ops: with ``slabs``, the most ops the step may run in them: past it the trace
+            stops (Note [Which submodules run in slabs]).
 
     Raises:
-        SplitError: a name in ``slabs`` is not a submodule, or a count is below 2.
+        SplitError: a name in ``slabs`` is not a submodule, or a count is below 2; or the step
+            in slabs ran past ``max_ops``.
         StepFailedError: the step raised under fake tensors (the model's own error, such as a
             batch norm over one value, or an op whose output shape depends on the data).
         UnplannableStepError: the step is not one forward and backward, or the model's
@@ -579,7 +583,7 @@ def trace_step(
     # weights) are traced as fake copies of themselves.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     values = Values()  # Note [A value the step reads is computed for real]
-    recorder = Recorder(min_offload_bytes, values)
+    recorder = Recorder(min_offload_bytes, values, max_ops if slabs else None)
     built, real = _build(model, fake_mode, target)
     sharded = fsdp.units(built)
     _refuse_sharded(built, name, sharded)
@@ -652,6 +656,11 @@ def trace_step(
                     opt.step()
         except LMSError:
             raise
+        except OpsPastLimitError:
+            raise SplitError(
+                f"lms: {name}'s step in slabs ran past {max_ops} ops, the most it may; run "
+                "these modules whole"
+            ) from None
         except Exception as error:
             raise step_failed(error, f"{name}'s step, traced under fake tensors,") from error
         finally:

@@ -447,9 +447,12 @@ def _imported(
         inputs = inputs_of(size, batch)
         try:
             # fake tensors over the meta device: a model's code that asks whether it is
-            # traced (Hugging Face's masks) then reads no value, which meta tensors lack
+            # traced (Hugging Face's masks) then reads no value, which meta tensors lack. The
+            # batch may be made inside a trace, whose default device would put the tensors
+            # the model makes (a padding's) on another device than the meta ones
             with (
                 _disable_current_modes(),
+                torch.device("meta"),
                 FakeTensorMode(allow_non_fake_inputs=True),
                 no_grad(),
                 meta_failures_told_once(),

@@ -166,7 +166,7 @@ def test_slabs_are_not_traced_where_they_cannot_lower_the_floor():
     held = whole.param_bytes + whole.buffer_bytes + whole.input_bytes + whole.gradient_bytes
     traced = []
 
-    def trace_with(slabs):
+    def trace_with(slabs, max_ops=None):
         traced.append(slabs)
         return trace_step(model, [x], _unet_step, device="cpu", slabs=slabs)
 
@@ -177,6 +177,61 @@ def test_slabs_are_not_traced_where_they_cannot_lower_the_floor():
     assert fit_in_slabs(trace_with, spec, under, trace=whole) is whole and traced == []
     tensors = simulate(whole, None, spec).peak_bytes - spec.workspace_bytes
     assert held < tensors  # the activations are what slabs could lower
+
+
+class _DenseBlock(torch.nn.Module):
+    """Each layer normalizes everything before it and adds its own features (DenseNet's)."""
+
+    def __init__(self, layers=6, grow=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.BatchNorm2d(4 + i * grow),
+                torch.nn.ReLU(),
+                torch.nn.Conv2d(4 + i * grow, grow, 3, padding=1),
+            )
+            for i in range(layers)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.cat([x, layer(x)], 1)
+        return x
+
+
+def test_a_trace_in_slabs_that_multiplies_the_steps_ops_is_stopped(caplog):
+    """Note [Which submodules run in slabs]: a dense block read a slab at a time runs its
+    concatenated features again for every piece; the trace stops at twice as many ops as the
+    slabs times the whole step's, and the step is planned whole."""
+    from lms.analysis import trace_step
+    from lms.core.slabs import SplitError
+    from lms.orchestration.split import _floor_error, fit_in_slabs
+
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3, padding=1), _DenseBlock(), torch.nn.Conv2d(28, 2, 1)
+    )
+    x = torch.randn(2, 1, 32, 32)
+    whole = trace_step(model, [x], _unet_step, device="cpu")
+    in_slabs = trace_step(model, [x], _unet_step, device="cpu", slabs={"1": 4})
+    assert len(in_slabs.ops) > 2 * 4 * len(whole.ops)  # what the limit is for
+    with pytest.raises(SplitError, match=f"ran past {8 * len(whole.ops)} ops"):
+        trace_step(model, [x], _unet_step, device="cpu", slabs={"1": 4}, max_ops=8 * len(whole.ops))
+    spec = lms.device_spec("cpu")
+    floor = _floor_error(whole, spec, 1, half=False, free_held=False).min_budget_bytes
+    traced = []
+
+    def trace_with(slabs, max_ops=None):
+        traced.append((slabs, max_ops))
+        return trace_step(model, [x], _unet_step, device="cpu", slabs=slabs, max_ops=max_ops)
+
+    with caplog.at_level(logging.INFO, logger="lms"):
+        assert fit_in_slabs(trace_with, spec, floor - 1, trace=whole) is whole
+    assert traced[-1][0]["1"] == 4 and traced[-1][1] == 8 * len(whole.ops)
+    assert any(
+        "in slabs the step stopped, so it is planned whole" in r.getMessage()
+        and "ran past" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_a_tuned_plan_in_slabs_is_cached_and_loaded_for_its_step(tmp_path, caplog):
@@ -267,7 +322,7 @@ def test_a_submodule_that_cannot_run_in_slabs_leaves_the_step_whole(caplog):
         )
     assert not report.fits and report.trace.slabs == ()
     assert any(
-        "With 1 in 4 in slabs the step failed" in r.getMessage()
+        "With 1 in 4 in slabs the step stopped" in r.getMessage()
         and "neither an input" in r.getMessage()
         for r in caplog.records
     )

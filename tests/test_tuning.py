@@ -3,6 +3,7 @@ Hugging Face transformers model; the tuned plan's order of backward's reads."""
 
 import contextlib
 import dataclasses
+import logging
 import types
 
 import pytest
@@ -197,7 +198,7 @@ def test_the_first_step_prefetches_in_the_order_the_trace_read(spill_dir, monkey
     offload.close()
 
 
-def test_a_budget_given_as_a_share_of_the_peak_is_set_by_tune(spill_dir, tmp_path):
+def test_a_budget_given_as_a_share_of_the_peak_is_set_by_tune(spill_dir, tmp_path, caplog):
     """``budget="60%"``, as the command line takes it: tune sets the budget to that share of the
     traced step's simulated peak without offload; a share out of range is refused at once, and
     a block entered before tune is refused before the step runs."""
@@ -222,7 +223,10 @@ def test_a_budget_given_as_a_share_of_the_peak_is_set_by_tune(spill_dir, tmp_pat
         step(model, batch)
     assert all(p.grad is None for p in model.parameters())  # refused before the step ran
     offload = lms.LMS(budget="60%", tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
-    plan = offload.tune(model, batch, step, cache_dir=str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="lms"):
+        plan = offload.tune(model, batch, step, cache_dir=str(tmp_path))
+    said = [r.getMessage() for r in caplog.records if "60% of the step's peak" in r.getMessage()]
+    assert said and "kept free" not in said[0]  # a CPU keeps no workspace for libraries
     traced = trace_step(model, batch, step, device="cpu", min_offload_bytes=0)
     peak = simulate(traced, None, local_device_spec(torch.device("cpu"))).peak_bytes
     assert offload.config.budget == plan.budget_bytes == int(0.6 * peak)

@@ -129,11 +129,13 @@ def tune_step(
         half = autocast is not None
         if budget_share is not None:
             budget = share_of_peak(trace, spec, budget_share, half=half)
+            free = format_bytes(spec.workspace_bytes)
+            beside = f", and the {free} kept free for libraries" if spec.workspace_bytes else ""
             log.info(
-                "[LMS] budget %.0f%% of the step's peak of tensors without offload (simulated), "
-                "and the %s kept free for libraries: %s",
+                "[LMS] budget %.0f%% of the step's peak of tensors without offload (simulated)%s: "
+                "%s",
                 100 * budget_share,
-                format_bytes(spec.workspace_bytes),
+                beside,
                 format_bytes(budget),
             )
         choose: Any = planner or plan_auto

@@ -98,7 +98,6 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--image-size", type=_count, metavar="N", help="edge in pixels or voxels")
     size.add_argument(
         "--seq-len",
-        dest="image_size",
         type=_count,
         metavar="N",
         help="sequence length, for a model of tokens (tinylm, gpt2, llama, a builder of yours)",
@@ -498,6 +497,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             entry = zoo_model(args.model)  # refuses a model whose packages are missing
             if args.batch_size is None:
                 args.batch_size = entry.min_batch
+            if getattr(args, "seq_len", None) is not None:
+                if entry.unit != "tokens":
+                    raise ValueError(
+                        f"lms: --seq-len is the length of a model's sequences of tokens, and "
+                        f"{args.model} takes {entry.unit}; give its edge with --image-size"
+                    )
+                args.image_size = args.seq_len
         os.makedirs(getattr(args, "out", ".") or ".", exist_ok=True)
         _check_outputs(args)
         _check_extras(args)

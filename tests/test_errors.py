@@ -32,6 +32,17 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_analysis(
     assert words in capsys.readouterr().err
 
 
+def test_a_sequence_length_for_a_model_of_images_is_refused_before_the_analysis(
+    monkeypatch, capsys
+):
+    import lms.orchestration.analyze as analyze
+
+    ran = []
+    monkeypatch.setattr(analyze, "analyze", lambda *a, **k: ran.append(1))
+    assert main(["analyze", "--model", "resnet50", "--seq-len", "64"]) == 2 and not ran
+    assert "resnet50 takes pixels; give its edge with --image-size" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
 def test_an_output_in_a_folder_without_write_permission_is_refused(tmp_path, capsys):
     folder = tmp_path / "locked"

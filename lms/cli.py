@@ -401,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         default="none,lms,save_on_cpu,checkpoint",
         help="comma-separated, of none, lms, lms_free_held (LMS with --free-held), save_on_cpu, "
-        "checkpoint, hf_checkpoint (Hugging Face gradient checkpointing: gpt2, llama), hf_offload "
+        "checkpoint, hf_checkpoint (Hugging Face gradient checkpointing: gpt2, llama, a builder "
+        "of a Hugging Face model), hf_offload "
         "(the same, its layers' inputs in host memory), compile_budget",
     )
     bench.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)

@@ -621,6 +621,18 @@ def test_hugging_face_checkpointing_is_a_peer_for_its_models():
         train("tinylm", size=16, steps=1, method="hf_checkpoint", progress=False)
 
 
+def test_a_bench_of_hugging_face_checkpointing_on_another_model_is_refused_before_any_run(
+    monkeypatch, capsys
+):
+    import lms.harness.bench as bench
+
+    ran = []
+    monkeypatch.setattr(bench, "_run", lambda *a, **k: ran.append(1))
+    argv = ["bench", "--model", "resnet50", "--sizes", "64", "--methods", "none,hf_checkpoint"]
+    assert main([*argv, "--budget", "1GiB"]) == 2 and not ran
+    assert "hf_checkpoint takes a Hugging Face model" in capsys.readouterr().err
+
+
 def test_an_older_hugging_face_release_checkpoints_but_cannot_offload():
     """Releases of `transformers` before ``activation_checkpointing_enable`` still checkpoint
     through ``gradient_checkpointing_enable``; offloading is refused, naming the upgrade."""

@@ -100,7 +100,8 @@ def bench(
             result's ``not_run``.
         on_point: called with the summary so far after each point (to keep partial results).
     """
-    from lms.harness.zoo import zoo_model
+    from lms.harness.train import hugging_face_checkpointing
+    from lms.harness.zoo import on_meta, zoo_model
 
     zoo_model(model).check_batch(batch_size)  # before any run starts
     check_counts(steps=steps, repeats=repeats)
@@ -117,6 +118,11 @@ def bench(
             "in the same memory: give it in bytes (e.g. '32GiB'); lms train takes a share"
         )
     limit = parse_bytes(budget, field="budget") if budget is not None else None
+    for method in ("hf_checkpoint", "hf_offload"):
+        if method in methods:  # refused before any run, as the run would refuse it
+            hugging_face_checkpointing(
+                on_meta(zoo_model(model).build), model, offload=method == "hf_offload"
+            )
     points: list[dict[str, Any]] = []
     failed: set[str] = set()
     not_run: list[dict[str, Any]] = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,7 +35,7 @@ from lms.harness.memory import SampledSteps, tensors_bytes
 from lms.harness.zoo import ZOO, ZooModel, zoo_model
 from lms.orchestration.session import LMS
 
-__all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks"]
+__all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks", "hugging_face_checkpointing"]
 
 log = logging.getLogger("lms.harness.train")
 METHODS = (
@@ -359,16 +360,28 @@ def _hugging_face_checkpointing(model: torch.nn.Module, name: str, *, offload: b
     backward, its inputs held in pinned host memory with ``offload`` (releases of `transformers`
     that have ``activation_checkpointing_enable``; older ones name it
     ``gradient_checkpointing_enable`` and cannot offload)."""
+    hugging_face_checkpointing(model, name, offload=offload)()
+
+
+def hugging_face_checkpointing(
+    model: torch.nn.Module, name: str, *, offload: bool
+) -> Callable[[], None]:
+    """The call that turns on ``model``'s own checkpointing of its layers (as
+    `_hugging_face_checkpointing` does), found without making it, so that a method the model
+    cannot take is refused before any run.
+
+    Raises:
+        ValueError: the model is not a Hugging Face model, or its release cannot offload.
+    """
     method = "hf_offload" if offload else "hf_checkpoint"
     enable = getattr(model, "activation_checkpointing_enable", None)
     if callable(enable):
-        enable(offload=offload)
-        return
+        return functools.partial(enable, offload=offload)
     older = getattr(model, "gradient_checkpointing_enable", None)
     if not callable(older):
         raise ValueError(
-            f"lms: method {method} takes a Hugging Face model (gpt2, llama); {name} has no "
-            f"activation_checkpointing_enable(); use method checkpoint"
+            f"lms: method {method} takes a Hugging Face model (gpt2, llama, a builder of one); "
+            f"{name} has no activation_checkpointing_enable(); use method checkpoint"
         )
     if offload:
         import transformers
@@ -378,7 +391,7 @@ def _hugging_face_checkpointing(model: torch.nn.Module, name: str, *, offload: b
             f"activation_checkpointing_enable(offload=True); this one is "
             f"{transformers.__version__}: upgrade it, or use method hf_checkpoint"
         )
-    older()
+    return older  # type: ignore[no-any-return]
 
 
 def _run_steps(

@@ -22,7 +22,7 @@ from lms.analysis.recorder import CpuKernelShapes
 from lms.analysis.trace import meta_failures_told_once, primary_output
 from lms.core.extras import require
 
-__all__ = ["ZooModel", "ZOO", "zoo_model", "TinyLM"]
+__all__ = ["ZooModel", "ZOO", "zoo_model", "on_meta", "TinyLM"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,7 +380,7 @@ def _torchvision_builder(name: str) -> Callable[[], torch.nn.Module]:
     )
 
 
-def _on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+def on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """The model ``build`` makes, its tensors on the meta device: built there, or, where its
     code reads a tensor's value (SwinUNETR's drop rates), built for real, then moved."""
     try:
@@ -410,14 +410,14 @@ def _imported(
     embedding's batch of ``size`` tokens of its vocabulary. Its targets are classes of its
     output's channels, per sample, pixel or token as the output has them (a token's last: a
     language model's logits), or with one channel a regression on zeros. The builder runs on
-    the meta device to find them (`_on_meta`), so this mostly costs no memory.
+    the meta device to find them (`on_meta`), so this mostly costs no memory.
 
     Raises:
         ValueError: the builder fails, or the model has neither a convolution nor an embedding
             to take its input from; from ``make_batch``, the model fails on the batch's shape.
     """
     try:
-        probe = _on_meta(build)
+        probe = on_meta(build)
     except Exception as error:  # the user's code: whatever it raises is reported as theirs
         raise ValueError(
             f"lms: model={name!r} failed to build: {type(error).__name__}: {error}"

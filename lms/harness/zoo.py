@@ -448,8 +448,8 @@ def _imported(
         try:
             # fake tensors over the meta device: a model's code that asks whether it is
             # traced (Hugging Face's masks) then reads no value, which meta tensors lack. The
-            # batch may be made inside a trace, whose default device would put the tensors
-            # the model makes (a padding's) on another device than the meta ones
+            # batch may be made inside a trace, whose default device would move a tensor the
+            # model passes through a factory (MONAI's HighResNet: `torch.as_tensor`) off meta
             with (
                 _disable_current_modes(),
                 torch.device("meta"),

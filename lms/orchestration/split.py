@@ -64,12 +64,10 @@ def fit_in_slabs(
 
     A step whose largest count of slabs is N runs each op of a submodule in slabs about N
     times, with a convolution's halo and a normalization's statistics taken slab by slab
-    beside: the zoo's 3D U-Net ran 7.6 times the whole step's ops with two submodules in 4 and
-    8 slabs, and 30.9 times with three in 16, 4 and 32. A trace past 2N times the whole step's
-    ops is stopped, and the step planned whole: a submodule whose slabs read what came before
-    again and again (the concatenated features of MONAI's 3D DenseNet-121, whose 1226 ops
-    became 48,120 in 4 slabs, at 40 s a trace) costs more to trace than its slabs could lower
-    its floor.
+    beside. A trace past 2N times the whole step's ops is stopped, and the step planned whole:
+    a submodule whose slabs read what came before again and again (the concatenated features
+    of a DenseNet, each piece of them made again for each read) costs more to trace than its
+    slabs could lower its floor. Measured: benchmarks/results/README.md, "Traces in slabs".
 
     Args:
         trace_with: ``trace_with(slabs=...)`` traces the step with the given submodules in

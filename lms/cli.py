@@ -319,10 +319,20 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = add_command("sweep", help="grow the image edge until the step cannot fit")
     sweep.add_argument("--model", required=True, help=_MODEL_HELP)
     sweep.add_argument("--gpu-memory", required=True, help="e.g. 32GiB")
-    sweep.add_argument("--step", type=_count, required=True, help="edge increment")
-    sweep.add_argument("--start", type=_count, default=None, help="first edge (default: --step)")
     sweep.add_argument(
-        "--max-size", type=_count, default=None, help="last edge tried (default: no limit)"
+        "--step",
+        type=_count,
+        required=True,
+        help="edge increment (sequence length, for a model of tokens)",
+    )
+    sweep.add_argument(
+        "--start", type=_count, default=None, help="first edge or length (default: --step)"
+    )
+    sweep.add_argument(
+        "--max-size",
+        type=_count,
+        default=None,
+        help="last edge or length tried (default: no limit)",
     )
     sweep.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
     sweep.add_argument("--amp", action="store_true", help=_AMP_HELP)
@@ -395,7 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = add_command("bench", help="measure LMS beside the peers over sizes")
     bench.add_argument("--model", required=True, help=_MODEL_HELP)
-    bench.add_argument("--sizes", type=_counts, required=True, help="comma-separated edges")
+    bench.add_argument(
+        "--sizes",
+        type=_counts,
+        required=True,
+        help="comma-separated edges (sequence lengths, for a model of tokens)",
+    )
     bench.add_argument("--budget", default=None, help="device memory each run may use, e.g. 32GiB")
     bench.add_argument(
         "--methods",

@@ -636,7 +636,7 @@ def test_a_bench_of_hugging_face_checkpointing_on_another_model_is_refused_befor
 def test_an_older_hugging_face_release_checkpoints_but_cannot_offload():
     """Releases of `transformers` before ``activation_checkpointing_enable`` still checkpoint
     through ``gradient_checkpointing_enable``; offloading is refused, naming the upgrade."""
-    from lms.harness.train import _hugging_face_checkpointing
+    from lms.harness.train import hugging_face_checkpointing
 
     class Older(torch.nn.Module):
         enabled = 0
@@ -645,10 +645,10 @@ def test_an_older_hugging_face_release_checkpoints_but_cannot_offload():
             self.enabled += 1
 
     model = Older()
-    _hugging_face_checkpointing(model, "older", offload=False)
+    hugging_face_checkpointing(model, "older", offload=False)()
     assert model.enabled == 1
     with pytest.raises(ValueError, match="hf_offload needs a transformers release.*upgrade"):
-        _hugging_face_checkpointing(model, "older", offload=True)
+        hugging_face_checkpointing(model, "older", offload=True)()
     assert model.enabled == 1
 
 

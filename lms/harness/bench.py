@@ -103,7 +103,8 @@ def bench(
     from lms.harness.train import hugging_face_checkpointing
     from lms.harness.zoo import on_meta, zoo_model
 
-    zoo_model(model).check_batch(batch_size)  # before any run starts
+    entry = zoo_model(model)
+    entry.check_batch(batch_size)  # before any run starts
     check_counts(steps=steps, repeats=repeats)
     unknown = [method for method in methods if method not in BENCH_METHODS]
     if unknown or not methods:
@@ -118,11 +119,11 @@ def bench(
             "in the same memory: give it in bytes (e.g. '32GiB'); lms train takes a share"
         )
     limit = parse_bytes(budget, field="budget") if budget is not None else None
-    for method in ("hf_checkpoint", "hf_offload"):
-        if method in methods:  # refused before any run, as the run would refuse it
-            hugging_face_checkpointing(
-                on_meta(zoo_model(model).build), model, offload=method == "hf_offload"
-            )
+    hugging_face = [m for m in ("hf_checkpoint", "hf_offload") if m in methods]
+    if hugging_face:  # refused before any run, as the run would refuse it
+        probe = on_meta(entry.build)
+        for method in hugging_face:
+            hugging_face_checkpointing(probe, model, offload=method == "hf_offload")
     points: list[dict[str, Any]] = []
     failed: set[str] = set()
     not_run: list[dict[str, Any]] = []

@@ -347,7 +347,7 @@ def _model_and_batch(
     if method == "checkpoint":
         model = checkpoint_blocks(model)
     if method in ("hf_checkpoint", "hf_offload"):
-        _hugging_face_checkpointing(model, entry.name, offload=method == "hf_offload")
+        hugging_face_checkpointing(model, entry.name, offload=method == "hf_offload")()
     batch = list(data) if data is not None else list(entry.make_batch(size, batch_size))
     batch = [t.to(target) for t in batch]
     if fmt is not None:
@@ -355,20 +355,14 @@ def _model_and_batch(
     return model, batch
 
 
-def _hugging_face_checkpointing(model: torch.nn.Module, name: str, *, offload: bool) -> None:
-    """Turn on a Hugging Face model's own checkpointing of its layers: each recomputed in
-    backward, its inputs held in pinned host memory with ``offload`` (releases of `transformers`
-    that have ``activation_checkpointing_enable``; older ones name it
-    ``gradient_checkpointing_enable`` and cannot offload)."""
-    hugging_face_checkpointing(model, name, offload=offload)()
-
-
 def hugging_face_checkpointing(
     model: torch.nn.Module, name: str, *, offload: bool
 ) -> Callable[[], None]:
-    """The call that turns on ``model``'s own checkpointing of its layers (as
-    `_hugging_face_checkpointing` does), found without making it, so that a method the model
-    cannot take is refused before any run.
+    """The call that turns on a Hugging Face model's own checkpointing of its layers: each
+    recomputed in backward, its inputs held in pinned host memory with ``offload`` (releases of
+    `transformers` that have ``activation_checkpointing_enable``; older ones name it
+    ``gradient_checkpointing_enable`` and cannot offload). Found without being made, so that a
+    bench refuses a method the model cannot take before any run.
 
     Raises:
         ValueError: the model is not a Hugging Face model, or its release cannot offload.

@@ -511,8 +511,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sys.path.insert(0, os.getcwd())
 
             entry = zoo_model(args.model)  # refuses a model whose packages are missing
-            if args.batch_size is None:
-                args.batch_size = entry.min_batch
             if getattr(args, "seq_len", None) is not None:
                 if entry.unit != "tokens":
                     raise ValueError(
@@ -520,6 +518,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"{args.model} takes {entry.unit}; give its edge with --image-size"
                     )
                 args.image_size = args.seq_len
+            if args.batch_size is None:
+                args.batch_size = entry.default_batch(
+                    getattr(args, "image_size", None) or entry.default_size
+                )
         os.makedirs(getattr(args, "out", ".") or ".", exist_ok=True)
         _check_outputs(args)
         _check_extras(args)

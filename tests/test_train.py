@@ -248,6 +248,17 @@ def pooled_classifier():
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AvgPool2d(5), torch.nn.Flatten())
 
 
+def pooled_then_normalized():
+    """A BatchNorm after pooling to one pixel (an auxiliary classifier's): one value a channel
+    in a sample, which training mode refuses."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.Flatten(),
+    )
+
+
 def lazy_classifier():
     """A lazy module, whose parameters its first call makes."""
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2))
@@ -384,6 +395,25 @@ def test_deeplabv3_refuses_a_batch_of_one_and_defaults_to_two(tmp_path, capsys):
     )
     report = json.loads(out.read_text())
     assert report["model"] == "deeplabv3 64 px batch 2" and report["input_shapes"][0][0] == 2
+
+
+def test_an_imported_builder_normalizing_one_value_a_channel_defaults_to_a_batch_of_two(
+    tmp_path, capsys, caplog
+):
+    """Note [A sample of one value per channel]: without --batch-size, a builder that fails on a
+    sample alone for that reason is fed two; asked for one, it is refused with its own error."""
+    out = tmp_path / "r.json"
+    argv = ["analyze", "--model", "tests.test_train:pooled_then_normalized", "--image-size", "12"]
+    with caplog.at_level("INFO", logger="lms"):
+        assert main([*argv, "--json", str(out)]) == 0
+    assert "trains on batches of 2 or more" in caplog.text
+    assert json.loads(out.read_text())["input_shapes"] == [[2, 3, 12, 12], [2]]
+    assert main([*argv, "--batch-size", "1"]) == 2
+    assert "Expected more than 1 value per channel" in capsys.readouterr().err
+    # a builder that takes a sample alone keeps the batch of one
+    argv = ["-q", "analyze", "--model", "tests.test_train:pooled_classifier", "--image-size", "12"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["input_shapes"][0][0] == 1
 
 
 def test_bench_rotates_the_methods_and_keeps_each_median(monkeypatch):

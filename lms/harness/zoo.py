@@ -11,6 +11,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -21,6 +22,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 from lms.analysis.recorder import CpuKernelShapes
 from lms.analysis.trace import meta_failures_told_once, primary_output
 from lms.core.extras import require
+
+log = logging.getLogger("lms.harness.zoo")
 
 __all__ = ["ZooModel", "ZOO", "zoo_model", "on_meta", "TinyLM"]
 
@@ -42,6 +45,9 @@ class ZooModel:
     min_batch: int = 1
     """The smallest batch the model trains on; the command line's default batch size."""
     min_batch_reason: str = ""
+    smallest_batch_at: Callable[[int], int] | None = None
+    """Where the smallest batch depends on the model's code (an imported builder's): that batch
+    at a size, found on the meta device; None where `min_batch` holds."""
     classifies_images: bool = False
     """Whether it classifies 3-channel images into 1000 classes, so that a folder of labelled
     images (``lms train --data``) can feed it."""
@@ -61,6 +67,10 @@ class ZooModel:
         """
         for package in self.needs:
             require(package, for_what=f"the zoo model {self.name}")
+
+    def default_batch(self, size: int) -> int:
+        """The command line's default batch size at ``size``: the smallest the model trains on."""
+        return self.min_batch if self.smallest_batch_at is None else self.smallest_batch_at(size)
 
     def check_batch(self, batch_size: int) -> None:
         """Refuse a batch the model cannot train on, before anything is built.
@@ -399,6 +409,8 @@ _INPUTS: dict[type[torch.nn.Module], int] = {
 }
 """The modules an imported model's input is told from, with its spatial dims (0: tokens)."""
 _DEFAULT_SIZES = {0: 512, 1: 16000, 2: 224, 3: 96}
+_ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
+"""What PyTorch's batch norm raises in training mode on one value a channel."""
 
 
 def _imported(
@@ -443,26 +455,49 @@ def _imported(
             return torch.randn(batch, first.in_channels, frames, size, size)
         return torch.randn(batch, first.in_channels, *[size] * dims)
 
+    def shape_of(inputs: torch.Tensor, size: int) -> torch.Size:
+        """The model's primary output's shape on a batch shaped as ``inputs``, made at ``size``;
+        raises what the model raises."""
+        # fake tensors over the meta device: a model's code that asks whether it is traced
+        # (Hugging Face's masks) then reads no value, which meta tensors lack. The batch may be
+        # made inside a trace, whose default device would move a tensor the model passes
+        # through a factory (MONAI's HighResNet: `torch.as_tensor`) off meta
+        with (
+            _disable_current_modes(),
+            torch.device("meta"),
+            FakeTensorMode(allow_non_fake_inputs=True),
+            no_grad(),
+            meta_failures_told_once(),
+            CpuKernelShapes(),
+        ):
+            meta = torch.empty_like(inputs, device="meta")
+            decoded = torch.zeros(len(inputs), size, dtype=torch.long, device="meta")
+            return primary_output(
+                probe(meta, decoder_input_ids=decoded) if seq2seq else probe(meta)
+            ).shape
+
+    def smallest_batch(size: int) -> int:
+        # Note: [A sample of one value per channel]
+        # A BatchNorm after pooling to one pixel (an auxiliary classifier's, a segmentation
+        # head's image pooling) sees one value per channel in a sample, and training mode
+        # refuses to normalize a single value: such a model trains on batches of two or more.
+        # Any other failure is left to `make`, which reports it as the model's.
+        try:
+            shape_of(inputs_of(size, 1), size)
+        except Exception as error:  # the user's model
+            if _ONE_VALUE_PER_CHANNEL in str(error):
+                log.info(
+                    "[LMS] %s trains on batches of 2 or more (a BatchNorm sees one value per "
+                    "channel in a sample): batch size 2",
+                    name,
+                )
+                return 2
+        return 1
+
     def make(size: int, batch: int) -> Sequence[torch.Tensor]:
         inputs = inputs_of(size, batch)
         try:
-            # fake tensors over the meta device: a model's code that asks whether it is
-            # traced (Hugging Face's masks) then reads no value, which meta tensors lack. The
-            # batch may be made inside a trace, whose default device would move a tensor the
-            # model passes through a factory (MONAI's HighResNet: `torch.as_tensor`) off meta
-            with (
-                _disable_current_modes(),
-                torch.device("meta"),
-                FakeTensorMode(allow_non_fake_inputs=True),
-                no_grad(),
-                meta_failures_told_once(),
-                CpuKernelShapes(),
-            ):
-                meta = torch.empty_like(inputs, device="meta")
-                decoded = torch.zeros(batch, size, dtype=torch.long, device="meta")
-                shape = primary_output(
-                    probe(meta, decoder_input_ids=decoded) if seq2seq else probe(meta)
-                ).shape
+            shape = shape_of(inputs, size)
         except Exception as error:  # the user's model: whatever it raises is reported as theirs
             raise ValueError(
                 f"lms: model={name!r} fails on a batch of shape {list(inputs.shape)}: "
@@ -485,4 +520,5 @@ def _imported(
         _DEFAULT_SIZES[dims],
         _labelled_step if seq2seq else _token_step if dims == 0 else _classify_step,
         classifies_images=dims == 2 and getattr(first, "in_channels", 0) == 3,
+        smallest_batch_at=smallest_batch,
     )

@@ -54,12 +54,18 @@ class Follow:
                 what,
             )
             return
+        # a copy of the model tuned runs its submodules whole where the plan has them in slabs
+        slabs = self.plan.slabs if self.plan is not None and what == "plan was made for" else ()
         log.warning(
             "[LMS] step %d saves tensors other than the %s (at save %d); falling back to "
-            "the runtime's own policy for this step",
+            "the runtime's own policy for this step%s",
             step.number,
             what,
             ordinal,
+            f". The plan runs {', '.join(name for name, _ in slabs)} in slabs in the model it "
+            "was tuned with (or given as LMS(model=...)): step that model, not a copy"
+            if slabs
+            else "",
         )
 
     def allowance(self, step: Step, *, backward: bool = False) -> int | None:

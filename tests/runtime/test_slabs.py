@@ -118,6 +118,23 @@ def test_the_runtime_runs_the_plans_slabs_and_gives_the_module_back():
     assert seen == [True] and "forward" not in model[1].__dict__
 
 
+def test_a_step_of_a_copy_of_the_model_with_slabs_is_told_to_step_that_model(caplog):
+    """A plan's slabs are installed in the model it was tuned with: a step of a copy saves what
+    the whole module does, leaves the plan, and the warning says which model to step."""
+    model = torch.nn.Sequential(
+        torch.nn.Conv3d(1, 4, 3, padding=1),
+        torch.nn.Sequential(torch.nn.Conv3d(4, 4, 3, padding=1), torch.nn.InstanceNorm3d(4)),
+    )
+    copied = copy.deepcopy(model)
+    plan = lms.Plan(fingerprint="x", offload=(), num_entries=1, slabs=(("1", 3),))
+    offload = lms.LMS(plan=plan, model=model, budget="1GiB")
+    with caplog.at_level("WARNING", logger="lms"), offload:
+        copied(torch.randn(1, 1, 12, 6, 6)).square().mean().backward()
+    assert offload.stats.diverged_steps == 1
+    assert "runs 1 in slabs in the model it was tuned with" in caplog.text
+    assert "step that model, not a copy" in caplog.text
+
+
 def _small_unet():
     from monai.networks.nets import BasicUNet
 

@@ -31,7 +31,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis import fsdp
-from lms.analysis.recorder import OpsPastLimitError, Recorder
+from lms.analysis.recorder import DEVICE_QUERY, OpsPastLimitError, Recorder
 from lms.analysis.values import Values
 from lms.core.config import AUTO_MIN_OFFLOAD_BYTES
 from lms.core.errors import LMSError, StepStateError, UnplannableStepError, step_failed
@@ -120,6 +120,8 @@ class _Ones(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if func is DEVICE_QUERY:  # Note [A fake tensor's device is asked for, not recorded]
+            return out
         name = func.overloadpacket.__name__
         if name in _ONES:
             ones = True

@@ -42,6 +42,14 @@ from lms.planning.minimum import smallest_plan
 
 __all__ = ["plan_blocks", "repeats", "roles"]
 
+START_VARIANTS = ((1, 0), (4, 0), (1, 3))
+"""The (swapin_ahead, sync_mode) pairs whose longest keepable prefixes are starts: the nearest
+and a far prefetch, and the runtime's own pace. A variant moves a prefix by a prefetch or two,
+and the search tries every variant (`VARIANTS`) for the plan it lands on, so these three found
+the plans all eight found (GPT-2 medium at 12, 24 and 48 layers at 50% to 70% of its peak, the
+Llama-3-8B shape at 70% and 80%) in a quarter less time (benchmarks/results/README.md,
+"Planning time for language models")."""
+
 log = logging.getLogger("lms.planning")
 
 _Start = tuple[float, int, set[int], set[int], int, int]
@@ -220,9 +228,9 @@ class _RoleSearch:
 
     def _starts(self, ranking: list[int], start: Plan | None) -> list[_Start]:
         """The starting points of the search, each with its predicted step: ``start``'s choices
-        alone where given (Note [Coarse roles first]); otherwise each prefetch variant's longest
-        keepable prefix of the ranking, with and without recomputing what may be, and, where
-        some roles are recomputed, the longest keepable prefix of the roles left.
+        alone where given (Note [Coarse roles first]); otherwise, for each of `START_VARIANTS`,
+        the longest keepable prefix of the ranking, with and without recomputing what may be,
+        and, where some roles are recomputed, the longest keepable prefix of the roles left.
 
         Note: [A start keeps what recomputing frees room for]
         The ranking puts the roles that hold least memory for least time first, and those are
@@ -258,7 +266,7 @@ class _RoleSearch:
             )
         ]
         lengths: dict[tuple[frozenset[int], int], int] = {}  # each start's prefix, as last found
-        for ahead, sync in VARIANTS:
+        for ahead, sync in START_VARIANTS:
             for remade in distinct(set(), *cheaper, recomputable):
                 # the prefix of every role, or of those left where what is recomputed is not kept
                 left = [r for r in ranking if r not in remade]

@@ -154,6 +154,7 @@ class _RoleSearch:
         ]
         found = recipes(trace)
         self.recipes = found
+        self._together: dict[frozenset[int], set[int]] = {}  # `_recomputable`'s answers
         first_use = trace.first_use_op()
         horizon = len(trace.ops)
         self.pressure = [
@@ -175,12 +176,19 @@ class _RoleSearch:
         )
 
     def _recomputable(self, wanted: Iterable[int]) -> set[int]:
-        """Of ``wanted``, those that may be recomputed together (first saved first)."""
-        chosen: set[int] = set()
-        for ordinal in sorted(wanted):
-            if ordinal in self.recipes and chains_with(self.recipes, chosen, ordinal, chains=True):
-                chosen.add(ordinal)
-        return chosen
+        """Of ``wanted``, those that may be recomputed together (first saved first); the search
+        asks again for the same sets, answered from memory."""
+        key = frozenset(wanted)
+        known = self._together.get(key)
+        if known is None:
+            known = set()
+            for ordinal in sorted(key):
+                if ordinal in self.recipes and chains_with(
+                    self.recipes, known, ordinal, chains=True
+                ):
+                    known.add(ordinal)
+            self._together[key] = known
+        return set(known)
 
     def _run(self, kept: set[int], remade: set[int], ahead: int, sync: int) -> SimResult | None:
         result = self.candidates.run(self._plan(kept, remade, ahead, sync))

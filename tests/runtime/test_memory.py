@@ -34,13 +34,13 @@ COMMON = textwrap.dedent(
         loss.backward()
         return loss
 
-    def measured_growth(model, x, offload, steps=3):
+    def measured_growth(model, x, offload, steps=3, batch=None, run=None):
         peaks = []
         for _ in range(steps):
             model.zero_grad(set_to_none=True)
             with PeakMemory() as memory:
                 with offload:
-                    step(model, [x])
+                    (run or step)(model, batch or [x])
             peaks.append(memory.growth_bytes)
         return peaks
     """
@@ -293,13 +293,7 @@ LSTM = COMMON + textwrap.dedent(
     sim = simulate(trace, plan, spec)
     blind = simulate(trace, plan, dataclasses.replace(spec, cpu_scratch=False))
     before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
-    measured = []
-    for _ in range(3):
-        model.zero_grad(set_to_none=True)
-        with PeakMemory() as memory:
-            with offload:
-                lm_step(model, [x, y])
-        measured.append(memory.growth_bytes)
+    measured = measured_growth(model, x, offload, batch=[x, y], run=lm_step)
     print(json.dumps({"measured": measured, "simulated": sim.peak_tensor_bytes - before,
                       "blind": blind.peak_tensor_bytes - before, "moved": len(plan.offload)}))
     """

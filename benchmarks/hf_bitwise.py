@@ -1,6 +1,8 @@
 """Bitwise check on Hugging Face models outside the zoo: BERT, T5, Qwen2, Mistral, GPT-NeoX and
-ViT, tiny configs (hidden 256, three layers; sequence 512, or 224 px), random weights, on the
-CPU's disk tier. Each is tuned (`LMS.tune`) at a budget 30% of the way from the least any plan
+ViT, tiny configs (hidden 256, three layers; sequence 512, or 224 px); then BART, Whisper, CLIP,
+Mamba, ModernBERT, Qwen3, ELECTRA, Swin and SegFormer, tinier (hidden 128, two layers; sequence
+256 or 512, 224 or 256 px, Whisper's 3000 frames of 80 mel bins); random weights, on the CPU's
+disk tier. Each is tuned (`LMS.tune`) at a budget 30% of the way from the least any plan
 needs to its peak without offload and runs three steps against three plain ones, PyTorch's
 deterministic algorithms on; it passes when every loss and gradient holds the same bits. The
 language models take a batch as a tokenizer gives it (an attention mask of ones, and labels)
@@ -22,18 +24,36 @@ from typing import Any
 
 import torch
 from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
     BertConfig,
     BertForMaskedLM,
+    CLIPConfig,
+    CLIPModel,
+    ElectraConfig,
+    ElectraForMaskedLM,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    ModernBertConfig,
+    ModernBertForMaskedLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    SegformerConfig,
+    SegformerForSemanticSegmentation,
+    SwinConfig,
+    SwinForImageClassification,
     T5Config,
     T5ForConditionalGeneration,
     ViTConfig,
     ViTForImageClassification,
+    WhisperConfig,
+    WhisperForConditionalGeneration,
 )
 
 import lms
@@ -55,6 +75,96 @@ def _image(model: Any, batch: list[torch.Tensor]) -> torch.Tensor:
     out = model(pixel_values=batch[0], labels=batch[1])
     out.loss.backward()
     return out.loss
+
+
+def _speech(model: Any, batch: list[torch.Tensor]) -> torch.Tensor:
+    out = model(input_features=batch[0], labels=batch[1])
+    out.loss.backward()
+    return out.loss
+
+
+def _contrastive(model: Any, batch: list[torch.Tensor]) -> torch.Tensor:
+    out = model(input_ids=batch[0], pixel_values=batch[1], return_loss=True)
+    out.loss.backward()
+    return out.loss
+
+
+SMALL = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2}
+SMALL_LM = {**SMALL, "vocab_size": 500, "num_attention_heads": 4}
+ENCODER_DECODER = {
+    "vocab_size": 500, "d_model": 128, "encoder_layers": 2, "decoder_layers": 2,
+    "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 256,
+    "decoder_ffn_dim": 256,
+}  # fmt: skip
+
+
+def _more_cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | None]]:
+    """Encoder-decoders (one of speech), two towers, a state-space model, local and global
+    attention, and hierarchical vision models, tinier than `_cases`."""
+    ids = torch.randint(0, 500, (2, 256))
+    tokens = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    pairs = {**tokens, "labels": ids[:, :128].clone()}
+    towers = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2}
+    clip = CLIPConfig(
+        text_config={**towers, "num_attention_heads": 4, "vocab_size": 500},
+        vision_config={**towers, "num_attention_heads": 4, "image_size": 224, "patch_size": 16},
+    )
+    whisper = WhisperConfig(
+        **ENCODER_DECODER, num_mel_bins=80, decoder_start_token_id=1, pad_token_id=0
+    )
+    swin = SwinConfig(embed_dim=48, depths=[2, 2, 2, 2], num_heads=[2, 4, 8, 16], num_labels=10)
+    segformer = SegformerConfig(
+        num_labels=5, hidden_sizes=[32, 64, 160, 256], depths=[1, 1, 1, 1], decoder_hidden_size=128
+    )
+    modern = ModernBertConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=3, vocab_size=500,
+        num_attention_heads=4, pad_token_id=0, global_attn_every_n_layers=2, local_attention=64,
+    )  # fmt: skip
+    return {
+        "bart": (
+            lambda: BartForConditionalGeneration(BartConfig(**ENCODER_DECODER, dropout=0.1)),
+            pairs,
+            None,
+        ),
+        "whisper": (
+            lambda: WhisperForConditionalGeneration(whisper),
+            [torch.randn(2, 80, 3000), torch.randint(2, 500, (2, 64))],
+            _speech,
+        ),
+        "clip": (
+            lambda: CLIPModel(clip),
+            [torch.randint(0, 500, (4, 77)), torch.randn(4, 3, 224, 224)],
+            _contrastive,
+        ),
+        "mamba": (
+            lambda: MambaForCausalLM(
+                MambaConfig(hidden_size=128, num_hidden_layers=2, vocab_size=500, state_size=8)
+            ),
+            tokens,
+            None,
+        ),
+        "modernbert": (lambda: ModernBertForMaskedLM(modern), tokens, None),
+        "qwen3": (
+            lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL_LM, num_key_value_heads=2, head_dim=32)),
+            tokens,
+            None,
+        ),
+        "electra": (
+            lambda: ElectraForMaskedLM(ElectraConfig(**SMALL_LM, embedding_size=64)),
+            tokens,
+            None,
+        ),
+        "swin": (
+            lambda: SwinForImageClassification(swin),
+            [torch.randn(4, 3, 224, 224), torch.randint(0, 10, (4,))],
+            _image,
+        ),
+        "segformer": (
+            lambda: SegformerForSemanticSegmentation(segformer),
+            [torch.randn(2, 3, 256, 256), torch.randint(0, 5, (2, 256, 256))],
+            _image,
+        ),
+    }
 
 
 def _cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | None]]:
@@ -96,7 +206,7 @@ def _cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | Non
 
 def check(name: str, spill_dir: str) -> dict[str, Any]:
     """Tune ``name`` between its floor and its peak; three steps against plain ones."""
-    build, batch, given = _cases()[name]
+    build, batch, given = (_cases() | _more_cases())[name]
     step = given or default_step
     torch.manual_seed(0)
     model = build()
@@ -137,7 +247,7 @@ def check(name: str, spill_dir: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(_cases()))
+    parser.add_argument("--models", default=",".join(_cases() | _more_cases()))
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")

@@ -455,9 +455,18 @@ def _imported(
             return torch.randn(batch, first.in_channels, frames, size, size)
         return torch.randn(batch, first.in_channels, *[size] * dims)
 
+    shapes: dict[tuple[tuple[int, ...], int], torch.Size] = {}  # `shape_of`'s answers
+
     def shape_of(inputs: torch.Tensor, size: int) -> torch.Size:
-        """The model's primary output's shape on a batch shaped as ``inputs``, made at ``size``;
-        raises what the model raises."""
+        """The model's primary output's shape on a batch shaped as ``inputs``, made at ``size``
+        (each shape probed once: the default batch's probe is also the batch's); raises what
+        the model raises."""
+        key = (tuple(inputs.shape), size)
+        if key not in shapes:
+            shapes[key] = _probed_shape(inputs, size)
+        return shapes[key]
+
+    def _probed_shape(inputs: torch.Tensor, size: int) -> torch.Size:
         # fake tensors over the meta device: a model's code that asks whether it is traced
         # (Hugging Face's masks) then reads no value, which meta tensors lack. The batch may be
         # made inside a trace, whose default device would move a tensor the model passes

@@ -55,7 +55,8 @@ class Follow:
             )
             return
         # a copy of the model tuned runs its submodules whole where the plan has them in slabs
-        slabs = self.plan.slabs if self.plan is not None and what == "plan was made for" else ()
+        # (with a plan, a step diverges from it: a recorded step is followed only without one)
+        slabs = self.plan.slabs if self.plan is not None else ()
         log.warning(
             "[LMS] step %d saves tensors other than the %s (at save %d); falling back to "
             "the runtime's own policy for this step%s",

@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.nn.parameter import is_lazy
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -137,6 +138,32 @@ class _Ones(TorchDispatchMode):
 
     def __contains__(self, tensor: object) -> bool:
         return isinstance(tensor, torch.Tensor) and tensor in self.seen
+
+
+class _Padded(TorchFunctionMode):
+    """Runs `torch.nn.utils.rnn.pad_packed_sequence`'s C++ with the lengths it writes on the
+    host real (Note [A packed sequence's batch sizes are real])."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if getattr(func, "__name__", None) != "_pad_packed_sequence":
+            return func(*args, **(kwargs or {}))
+        with _RealHostIntegers():
+            return func(*args, **(kwargs or {}))
+
+
+class _RealHostIntegers(TorchDispatchMode):
+    """Makes the integer tensors allocated on the CPU real while it is on."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if (
+            func is torch.ops.aten.empty.memory_format
+            and kwargs.get("dtype") == torch.int64
+            and torch.device(kwargs.get("device") or "cpu").type == "cpu"
+        ):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
 
 
 def _holds_ones(tensor: object) -> bool:
@@ -650,6 +677,7 @@ def trace_step(
                 hooks,
                 _eager() as watch,
                 _masks_of_ones_known(checks, given_leaves, leaves),
+                _Padded(),
                 meta_failures_told_once(),
             ):
                 with amp:
@@ -719,6 +747,7 @@ def trace_step(
         or _is_compiled(step)
         or any(_is_compiled(module) for module in built.modules()),
         slabs=tuple(sorted((slabs or {}).items())),
+        recopied=tuple(sorted(recorder.recopied)),
     )
     made = recorder.made
     del recorder, hooks, built, watch  # the recorder keeps forward's autograd nodes

@@ -44,7 +44,21 @@ log = logging.getLogger("lms.analysis")
 # result's shape is set by its integer or boolean arguments alone takes zeros (one, expanded) for
 # its floating-point ones (activations, their gradients) to give that shape: a CTC loss's target
 # lengths, and a boolean index or mask from the batch (wav2vec2's masked time steps, whose
-# gradient backward gathers with the same mask).
+# gradient backward gathers with the same mask). A packed sequence's batch sizes stay real
+# (Note [A packed sequence's batch sizes are real]).
+
+# Note: [A packed sequence's batch sizes are real]
+# A recurrent layer given a packed sequence (`torch.nn.utils.rnn.pack_padded_sequence`, how
+# batches of sequences of different lengths go into an LSTM) runs its time steps in PyTorch's C++,
+# which reads the sequence's batch sizes, an integer tensor on the CPU, to slice each step's rows
+# of the data; so do packing's backward and `pad_packed_sequence`. Under fake tensors those sizes
+# had no data, and the layer raised. They are set by the lengths the batch gives alone: packing
+# runs for real, with zeros for the activations it packs, and its batch sizes are handed on as
+# the real tensor they are in the real step, which its readers take as it does. The time steps
+# then run on fake tensors, op by op, as the real step runs them. `pad_packed_sequence` writes
+# each sequence's length into an integer tensor it allocates on the host: while it runs under
+# the trace (`lms.analysis.trace._Padded`), that tensor is allocated for real. Lengths the trace
+# cannot have (computed from the activations) fail the trace as before.
 
 REAL_ELEMENTS = 1 << 24
 """The most elements the ops that lead to a value the step reads may make, for it to be had."""
@@ -54,9 +68,14 @@ _SHAPED_BY_INDICES = {
     torch.ops.aten._ctc_loss.Tensor,
     torch.ops.aten.index.Tensor,
     torch.ops.aten.masked_select.default,
+    torch.ops.aten._pack_padded_sequence.default,
 }
 """Ops whose result's shape depends on the values of their integer or boolean arguments alone
-(the target lengths of a CTC loss, a boolean index or mask), not of their floating-point ones."""
+(the target lengths of a CTC loss, a boolean index or mask, a packed sequence's lengths), not of
+their floating-point ones."""
+_REAL_RESULTS = {torch.ops.aten._pack_padded_sequence.default: 1}
+"""Ops whose result at this index stays real where the trace has it (Note [A packed sequence's
+batch sizes are real])."""
 
 
 class _Node:
@@ -141,6 +160,9 @@ class Values:
                 raise
             device = _device(args, kwargs)
             out = tree_map(lambda v: _fake_of(v, device), real)
+            if func in _REAL_RESULTS:  # Note [A packed sequence's batch sizes are real]
+                at = _REAL_RESULTS[func]
+                out = (*out[:at], real[at], *out[at + 1 :])
         outs = out if isinstance(out, (list, tuple)) else (out,)
         node.elements = sum(v.numel() for v in outs if isinstance(v, torch.Tensor))
         # what is made of an unknown tensor, or is too large to be made for real, is not known

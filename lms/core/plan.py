@@ -66,6 +66,10 @@ class Plan:
     slabs: tuple[tuple[str, int], ...] = ()
     """Submodules that run in slabs, by name, with how many: the step the plan was made for
     ran them so (Note [Slabs]); the runtime runs them so too."""
+    entry_bytes: tuple[int, ...] = ()
+    """The bytes of each saved storage, by ordinal, in the step the plan was made for (from
+    `Trace.entries`); a step whose storage the plan recomputes has other bytes there diverges
+    (Note [A step is checked where its plan recomputes]). Empty: not checked."""
     use_order: tuple[int, ...] = ()
     """Ordinals in the order backward first read them in the traced step (`Trace.use_order`):
     the order the runtime prefetches in before a step of its own has shown it; empty for the
@@ -74,6 +78,11 @@ class Plan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sync_mode", SyncMode(self.sync_mode))
+        if self.entry_bytes and len(self.entry_bytes) != self.num_entries:
+            raise ValueError(
+                f"lms: Plan.entry_bytes gives {len(self.entry_bytes)} sizes for "
+                f"{self.num_entries} entries"
+            )
         bad = [i for i in self.offload if not 0 <= i < self.num_entries]
         if bad:
             raise ValueError(
@@ -189,6 +198,7 @@ class Plan:
         data["free_held_at"] = tuple(data.get("free_held_at", ()))
         data["held_gaps"] = tuple(tuple(gap) for gap in data.get("held_gaps", ()))
         data["use_order"] = tuple(data.get("use_order", ()))
+        data["entry_bytes"] = tuple(data.get("entry_bytes", ()))
         data["slabs"] = tuple((str(name), int(count)) for name, count in data.get("slabs", ()))
         return cls(**data)
 

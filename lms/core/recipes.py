@@ -173,6 +173,14 @@ class _Derived:
         self.scratch_ops += [k for k in (*sub.scratch_ops, *sub.ops) if k not in self.scratch_ops]
 
 
+# Note: [A replay reads what its op read]
+# A replay reads a saved storage as backward has it: as forward last wrote it. An op whose input
+# forward writes again after the op read it, in place, is replayed on other values, and a replay
+# of it would give other bits than forward made; such an op makes no recipe. The write may come
+# as late as the op that saves the output: autograd clones a tensor an in-place op is about to
+# change (a GRU cell's ``mul_`` on a chunk of its gates), and the clone's input is changed by
+# the very op that saves it. Earlier, only writes before that save were looked for, and a GRU's
+# replayed clones gave other bits (the runtime said so, and its gradients differed).
 def recipes(trace: Trace) -> dict[int, Recipe]:
     """For each saved storage (by ordinal) that backward could recompute, its recipe.
 
@@ -228,8 +236,9 @@ def _find(trace: Trace) -> dict[int, Recipe]:
                     continue  # too small to offload (autocast's copy of a weight): held
                 source = ordinal_of.get(read)
                 if source is not None:
-                    if any(index < w < save_op for w in writers.get(read, ())):
-                        return None  # rewritten before this one is saved: other bits
+                    if any(w > index for w in writers.get(read, ())):
+                        # Note [A replay reads what its op read]
+                        return None
                     if first_save[read] <= save_op:
                         made.inputs.add(source)  # a saved storage, saved no later than this
                         continue

@@ -41,6 +41,7 @@ class Candidates:
     def __post_init__(self) -> None:
         self.fingerprint = self.trace.fingerprint()
         self.num_entries = len(self.trace.entries())
+        self.entry_bytes = tuple(size for _, size, _ in self.trace.entries())
         self._host_spans = host_spans(self.trace, self.spec)
         self.emptiable = emptiable(self.trace) if self.free_held else {}
         """Entries a plan may empty while the code holds them, and the event from which."""
@@ -57,6 +58,7 @@ class Candidates:
         # holds into backward (the model's output kept in a variable while backward runs: Note
         # [Tensors the step's code holds]).
         storages = self.trace.storages
+        recopied = frozenset(self.trace.recopied)
         self.pinned = frozenset(
             ordinal
             for ordinal, (storage, _, _) in enumerate(self.trace.entries())
@@ -65,11 +67,13 @@ class Candidates:
                 storages[storage].alloc_op < 0
                 or storage in self.trace.held
                 or storage in self.trace.held_by_code
+                or storage in recopied
             )
         )
         """Entries every plan keeps: inputs (held since before the step), storages a kept save
-        holds, and those the step's code holds into backward; moving or recomputing one frees
-        nothing."""
+        holds, and those the step's code holds into backward, since moving or recomputing one
+        frees nothing; and those saved through changing bases (Note [A storage saved through
+        changing bases stays])."""
 
     def spill_for(self, offload: Iterable[int]) -> tuple[int, ...]:
         """Which of ``offload`` go to disk so that host memory holds the rest: `place_spill`."""
@@ -95,6 +99,7 @@ class Candidates:
         emptied = sorted(set(self.emptiable) & chosen - refetch - replay_inputs(self.trace, remade))
         return Plan(
             fingerprint=self.fingerprint,
+            entry_bytes=self.entry_bytes,
             offload=tuple(sorted(chosen)),
             spill=self.spill_for(chosen),
             refetch=tuple(sorted(refetch)),

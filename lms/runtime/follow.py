@@ -89,14 +89,30 @@ class Follow:
             and step.saved_storage_bytes > calibrated[1]
         )
 
+    # Note: [A step is checked where its plan recomputes]
+    # A step follows its plan by the order of its saves, and learns it left it when it saves more
+    # storages than the plan has. A step can part from it sooner and still save as many: an RNN
+    # cell's gates, copied again where the cell changed them in place (Note [Join a copied
+    # storage only through the same base at the same version]), shifted every later ordinal by
+    # one. An offload or a keep of the wrong storage costs memory alone; a replay of the wrong
+    # recipe gives other bits, which the runtime sees only after backward took them, and a GRU's
+    # gradients differed. So where the plan recomputes an ordinal, the step's storage there must
+    # have the bytes the traced one had (`Plan.entry_bytes`), or the step diverges.
     def recomputes(self, step: Step, entry: Entry) -> bool:
-        """Whether the plan recomputes ``entry`` rather than storing it."""
+        """Whether the plan recomputes ``entry`` rather than storing it (Note [A step is checked
+        where its plan recomputes])."""
         if not self.following(step):
             return False
-        assert self.plan is not None
+        plan = self.plan
+        assert plan is not None
         if step.recompute_set is None:
-            step.recompute_set = set(self.plan.recompute)
-        return entry.ordinal in step.recompute_set
+            step.recompute_set = set(plan.recompute)
+        if entry.ordinal not in step.recompute_set:
+            return False
+        if plan.entry_bytes and plan.entry_bytes[entry.ordinal] != entry.nbytes:
+            self.diverge(step, entry.ordinal, "plan was made for")
+            return False
+        return True
 
     def offload_instead(self, step: Step, entry: Entry) -> None:
         """Offload ``entry``, which the plan recomputes, because it has no recipe at run time."""

@@ -66,6 +66,25 @@ class MaskedSteps(nn.Module):
         return self.out(hidden)[mask].square().mean()
 
 
+class Packed(nn.Module):
+    """A recurrent layer over sequences of different lengths, packed and padded back, as
+    variable-length batches go into one (Note [A packed sequence's batch sizes are real])."""
+
+    def __init__(self, kind):
+        super().__init__()
+        bidirectional = kind == "GRU"
+        self.embed = nn.Embedding(50, 16)
+        self.rnn = getattr(nn, kind)(16, 24, 2, batch_first=True, bidirectional=bidirectional)
+        self.out = nn.Linear(24 * (2 if bidirectional else 1), 3)
+
+    def forward(self, tokens, lengths, labels):
+        packed = nn.utils.rnn.pack_padded_sequence(
+            self.embed(tokens), lengths, batch_first=True, enforce_sorted=False
+        )
+        padded, _ = nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)
+        return F.cross_entropy(self.out(padded.sum(1)), labels)
+
+
 def _step(model, batch):
     loss = model(*batch)
     loss.backward()
@@ -109,6 +128,46 @@ def test_a_step_reading_its_labels_traces_and_its_plan_is_bitwise(make, batch, t
         assert_bitwise(ref, _run(model, given, offload))
     assert offload.stats.diverged_steps == 0  # the trace saved what the real steps save
     assert offload.stats.recomputed_tensors
+    offload.close()
+
+
+@pytest.mark.parametrize(("kind", "limit"), [("LSTM", None), ("GRU", 64)])
+def test_a_recurrent_layer_on_packed_sequences_traces_and_its_plan_is_bitwise(
+    kind, limit, monkeypatch, tmp_path
+):
+    """Note [A packed sequence's batch sizes are real]: with ``limit``, the activations packed
+    are past what the trace computes for real, and packing still runs on zeros for them. The
+    cells' gates, saved chunk by chunk, stay (Note [A storage saved through changing bases
+    stays]), and no replay reads a chunk changed since (Note [A replay reads what its op
+    read])."""
+    if limit is not None:
+        monkeypatch.setattr(values_module, "REAL_ELEMENTS", limit)
+    torch.manual_seed(0)
+    model = Packed(kind)
+    batch = [
+        torch.randint(0, 50, (5, 12)),
+        torch.tensor([7, 12, 3, 9, 12]),
+        torch.tensor([0, 2, 1, 1, 0]),
+    ]
+    ref = _run(model, batch)
+    trace = trace_step(model, batch, _step, device="cpu", min_offload_bytes=0)
+    # each time step runs the rows still going, as the lengths set them: 5, 4, 3 or 2
+    gates = 4 if kind == "LSTM" else 3
+    rows = {
+        op.written_bytes // (gates * 24 * 4)
+        for op in trace.ops
+        if op.name == "aten.addmm.default" and op.module.endswith(".rnn") and op.phase == "forward"
+    }
+    assert {2, 3, 4, 5} <= rows
+    plan = recomputing_plan(trace)
+    assert plan.offload and plan.recompute and trace.recopied
+    assert plan.entry_bytes == tuple(size for _, size, _ in trace.entries())
+    kept = {i for i, (storage, _, _) in enumerate(trace.entries()) if storage in trace.recopied}
+    assert kept and not kept & {*plan.offload, *plan.recompute}
+    offload = lms.LMS(plan=plan, tier="disk", spill_dir=str(tmp_path), min_offload_bytes=0)
+    for _ in range(2):
+        assert_bitwise(ref, _run(model, batch, offload))
+    assert offload.stats.replays_differed == 0
     offload.close()
 
 

@@ -394,6 +394,27 @@ def test_a_replay_with_other_bits_is_warned_and_moved_from_then_on(spill_dir, ca
     offload.close()
 
 
+def test_a_step_whose_storage_the_plan_recomputes_has_other_bytes_diverges(spill_dir, caplog):
+    """Note [A step is checked where its plan recomputes]: a step one storage off its plan is
+    caught where the plan would replay another recipe, before it does, and trains bit for bit."""
+    batch = [torch.randn(2, 3, 64, 64)]
+    trace = _trace(Mixed, batch)
+    plan = _recompute_all(trace)
+    off = plan.recompute[len(plan.recompute) // 2]
+    sizes = [size for _, size, _ in trace.entries()]
+    sizes[off] += 4  # the traced storage at that ordinal was another one
+    shifted = dataclasses.replace(plan, entry_bytes=tuple(sizes))
+    model = Mixed()
+    ref = run_step(model, batch)
+    offload = lms.LMS(plan=shifted, min_offload_bytes=0, spill_dir=spill_dir, tier="disk")
+    with caplog.at_level("WARNING", logger="lms"):
+        assert_bitwise(ref, run_step(model, batch, offload))
+    assert f"plan was made for (at save {off})" in caplog.text
+    assert offload.stats.diverged_steps == 1 and offload.stats.replays_differed == 0
+    assert offload.stats.recomputed_tensors == sum(i < off for i in plan.recompute)
+    offload.close()
+
+
 def _single_moves(checker, plan):
     """Plans that differ from ``plan`` in one tensor kept, offloaded or recomputed instead."""
     found = recipes(checker.trace)

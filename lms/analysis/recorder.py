@@ -70,9 +70,6 @@ class Recorder(TorchDispatchMode):
         self.edges = 0
         self.events: list[SavedEvent] = []
         self.last_save: dict[int, SavedEvent] = {}  # by storage, its latest save event
-        self.first_base: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
-        """By storage, the base tensor of its first save and that base's version then."""
-        self.recopied: set[int] = set()  # Note [A storage saved through changing bases stays]
         self.level = 0
         self.fixed: set[int] = set()
         self.seen_backward = False
@@ -277,17 +274,6 @@ class Recorder(TorchDispatchMode):
         return out
 
     # -- saved tensors -----------------------------------------------------------------------
-    # Note: [A storage saved through changing bases stays]
-    # The runtime copies a saved storage once and lets later saves of it share that copy only
-    # through the same base tensor at the same version (Note [Join a copied storage only through
-    # the same base at the same version]); any other save copies it again, as a storage of its
-    # own. An RNN cell's gates are such a storage: PyTorch's C++ cells (`nn.LSTMCell`, and
-    # `nn.LSTM` and `nn.GRU` on a packed sequence, whose time steps run so) split them into chunks
-    # that are tensors of their own and update each in place, and each chunk's save copies again.
-    # The trace counts a storage once, so a plan that moved one met a step with more storages
-    # than it had, each after it one ordinal off, and the step left its plan. The trace names
-    # these storages (`Trace.recopied`: saved again through another base, or after their base
-    # changed), and every plan keeps them, as a kept storage is never copied.
     def pack(self, tensor: torch.Tensor) -> _Saved:
         if self.seen_backward and not self.live_saves and not junctions.in_backward():
             where = self.stack[-1] if self.stack else "the step function"
@@ -312,11 +298,6 @@ class Recorder(TorchDispatchMode):
         )
         event = SavedEvent(self.level, len(self.ops), "save", sid, self.nbytes[sid], offloadable)
         self.events.append(event)
-        first = self.first_base.get(sid)
-        if first is None:
-            self.first_base[sid] = (weakref.ref(base), base._version)
-        elif first[0]() is not base or first[1] != base._version:
-            self.recopied.add(sid)
         self.last_save[sid] = event
         edge = junctions.edge_of(tensor) if offloadable and sid not in self.edge_of else None
         if edge is not None:

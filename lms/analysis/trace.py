@@ -747,7 +747,6 @@ def trace_step(
         or _is_compiled(step)
         or any(_is_compiled(module) for module in built.modules()),
         slabs=tuple(sorted((slabs or {}).items())),
-        recopied=tuple(sorted(recorder.recopied)),
     )
     made = recorder.made
     del recorder, hooks, built, watch  # the recorder keeps forward's autograd nodes

@@ -197,10 +197,6 @@ class Trace:
     backward recomputes nothing (Note [Compiled models are not replayed])."""
     slabs: tuple[tuple[str, int], ...] = ()
     """The submodules that ran in slabs, by name, with how many (Note [Slabs])."""
-    recopied: tuple[int, ...] = ()
-    """Storages saved again through another base tensor, or after their base changed in place
-    (an RNN cell's gates, updated chunk by chunk): each plan keeps them (Note [A storage saved
-    through changing bases stays])."""
     calls: tuple[OpCall | None, ...] = dataclasses.field(default=(), compare=False, repr=False)
     """How each op was called, by op index (None where it cannot run again alone); empty for
     traces made otherwise. Not part of the record's identity."""

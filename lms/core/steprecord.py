@@ -231,7 +231,6 @@ def _trace_from_dict(data: dict[str, Any]) -> Trace:
     values = _untabled(data, _TRACE_TABLES)
     values["input_shapes"] = _tupled(data["input_shapes"])
     values["slabs"] = _tupled(data.get("slabs", []))
-    values["recopied"] = tuple(data.get("recopied", ()))
     return Trace(**values)
 
 

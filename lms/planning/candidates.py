@@ -58,7 +58,6 @@ class Candidates:
         # holds into backward (the model's output kept in a variable while backward runs: Note
         # [Tensors the step's code holds]).
         storages = self.trace.storages
-        recopied = frozenset(self.trace.recopied)
         self.pinned = frozenset(
             ordinal
             for ordinal, (storage, _, _) in enumerate(self.trace.entries())
@@ -67,13 +66,11 @@ class Candidates:
                 storages[storage].alloc_op < 0
                 or storage in self.trace.held
                 or storage in self.trace.held_by_code
-                or storage in recopied
             )
         )
         """Entries every plan keeps: inputs (held since before the step), storages a kept save
-        holds, and those the step's code holds into backward, since moving or recomputing one
-        frees nothing; and those saved through changing bases (Note [A storage saved through
-        changing bases stays])."""
+        holds, and those the step's code holds into backward; moving or recomputing one frees
+        nothing."""
 
     def spill_for(self, offload: Iterable[int]) -> tuple[int, ...]:
         """Which of ``offload`` go to disk so that host memory holds the rest: `place_spill`."""

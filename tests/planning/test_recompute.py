@@ -394,6 +394,45 @@ def test_a_replay_with_other_bits_is_warned_and_moved_from_then_on(spill_dir, ca
     offload.close()
 
 
+class GatedInPlace(nn.Module):
+    """Gates, split in chunks that are tensors of their own and changed in place, as PyTorch's C++
+    GRU cell does: scaling one chunk by the other, autograd first clones it (the gate's gradient
+    reads it as it was), and the scaling that saves the clone changes what the clone read."""
+
+    def __init__(self):
+        super().__init__()
+        self.gates, self.out = nn.Linear(16, 128), nn.Linear(64, 4)
+
+    def forward(self, x):
+        reset, new = self.gates(x).unsafe_chunk(2, 1)
+        reset = reset.sigmoid_()
+        new.mul_(reset)
+        return self.out(torch.tanh(new))
+
+
+def test_no_replay_reads_an_input_changed_since_its_op_read_it(spill_dir):
+    """Note [A replay reads what its op read]: the clone has no recipe, and a plan that keeps
+    the gates and recomputes all it can trains bit for bit."""
+    batch = [torch.randn(32, 16)]
+    trace = _trace(GatedInPlace, batch)
+    entries = trace.entries()
+    clones = [
+        i
+        for i, (storage, _, _) in enumerate(entries)
+        if trace.ops[trace.storages[storage].alloc_op].name == "aten.clone.default"
+    ]
+    found = recipes(trace)
+    assert clones and not set(clones) & set(found) and found
+    plan = Plan(
+        fingerprint=trace.fingerprint(),
+        offload=(),
+        recompute=tuple(sorted(found)),
+        num_entries=len(entries),
+    )
+    stats = _steps_bitwise(GatedInPlace, batch, plan, spill_dir, recomputed=len(found))
+    assert stats.replays_differed == 0
+
+
 def test_a_step_whose_storage_the_plan_recomputes_has_other_bytes_diverges(spill_dir, caplog):
     """Note [A step is checked where its plan recomputes]: a step one storage off its plan is
     caught where the plan would replay another recipe, before it does, and trains bit for bit."""

@@ -174,13 +174,15 @@ class _Derived:
 
 
 # Note: [A replay reads what its op read]
-# A replay reads a saved storage as backward has it: as forward last wrote it. An op whose input
-# forward writes again after the op read it, in place, is replayed on other values, and a replay
-# of it would give other bits than forward made; such an op makes no recipe. The write may come
-# as late as the op that saves the output: autograd clones a tensor an in-place op is about to
-# change (a GRU cell's ``mul_`` on a chunk of its gates), and the clone's input is changed by
-# the very op that saves it. Earlier, only writes before that save were looked for, and a GRU's
-# replayed clones gave other bits (the runtime said so, and its gradients differed).
+# A replay reads each saved input as the step has it in backward: where it stays on the device,
+# as forward last wrote it. An op whose saved input forward writes again, in place, after the op
+# read it would be replayed on other values and give other bits than forward made; such an op
+# makes no recipe. The write may come as late as the op that saves the output: autograd clones a
+# tensor an in-place op is about to change (a GRU cell's ``mul_`` on a chunk of its gates), and
+# that op changes what the clone read. Only writes before the save were looked for once, and
+# where the gates stayed, the replayed clone gave other bits and the gradients differed. An input
+# autograd did not save is made again as it was when the op read it (Note [Remake what was never
+# saved]).
 def recipes(trace: Trace) -> dict[int, Recipe]:
     """For each saved storage (by ordinal) that backward could recompute, its recipe.
 

@@ -209,8 +209,8 @@ class Recorder(TorchDispatchMode):
         taken = _tensors_in((args, kwargs))
         returned = _tensors_in(out)
         given = {id(t) for t in taken}
-        # every new tensor an op made (not an in-place op's input)
-        # fake ones: a real one (Note [A packed sequence's batch sizes are real]) a step can use
+        # every new fake tensor an op made (not an in-place op's input); a real one (Note [A
+        # packed sequence's batch sizes are real]) is one a real step can use
         self.made.extend(
             weakref.ref(t) for t in returned if id(t) not in given and isinstance(t, FakeTensor)
         )

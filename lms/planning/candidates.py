@@ -40,8 +40,8 @@ class Candidates:
 
     def __post_init__(self) -> None:
         self.fingerprint = self.trace.fingerprint()
-        self.num_entries = len(self.trace.entries())
         self.entry_bytes = tuple(size for _, size, _ in self.trace.entries())
+        self.num_entries = len(self.entry_bytes)
         self._host_spans = host_spans(self.trace, self.spec)
         self.emptiable = emptiable(self.trace) if self.free_held else {}
         """Entries a plan may empty while the code holds them, and the event from which."""

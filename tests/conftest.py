@@ -79,6 +79,17 @@ def assert_bitwise(ref, got):
         assert same_bits(a, b)
 
 
+def assert_followed(plan, stats, steps):
+    """``plan`` moves something and each of ``steps`` steps did what it says, no more.
+
+    A plan tuned on this CPU spills or recomputes a storage by this machine's measured disk and
+    compute rates, so which of the two it chooses is not the test's to fix."""
+    assert plan.offload or plan.recompute, plan
+    assert stats.diverged_steps == 0, stats
+    assert stats.offloaded_tensors == steps * len(plan.offload), stats
+    assert stats.recomputed_tensors == steps * len(plan.recompute), stats
+
+
 def spill_files(folder):
     """What is on disk under ``folder`` (files and folders, named), and the unnamed spill files
     this process holds open there (Note [Spill files have no name]): a descriptor's link reads

@@ -263,6 +263,10 @@ class Session:
                 step.note_held_outside()
             if step is not None and step.number == 1 and step.entries:
                 self._log_step(step)
+            # a block where autograd saved nothing (evaluation, no_grad) is no step of the plan's
+            # and no departure from it: it neither diverges nor counts as a step followed
+            if step is not None and step.level == 0:
+                step = None
             if (
                 step is not None
                 and self.plan is not None

@@ -16,7 +16,7 @@ from lms.core.units import format_bytes
 from lms.planning import plan_auto, plan_greedy, plan_milp, tune_tflms
 from lms.planning.candidates import Candidates
 from lms.planning.greedy.restarts import kinds as _kinds
-from tests.conftest import assert_bitwise
+from tests.conftest import assert_bitwise, assert_followed
 
 
 class Chain(nn.Module):
@@ -290,13 +290,13 @@ def test_tuned_plan_runs_bitwise_and_within_budget(tmp_path, caplog):
     ref = run()
     offload = lms.LMS(budget="18MiB", min_offload_bytes=0, spill_dir=str(tmp_path))
     plan = offload.tune(model, [x], step, cache_dir=str(tmp_path / "plans"))
-    assert plan.offload
     for _ in range(2):
         got = run(offload)
         assert_bitwise(ref, got)
+    assert_followed(plan, offload.stats, steps=2)
+    assert offload.stats.spilled_bytes == offload.stats.offloaded_bytes  # the CPU's one tier
     with offload:  # the tuned model's parameters are known: no hook on every module call
         assert not torch.nn.modules.module._global_forward_pre_hooks
-    assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
     # a second tune of the same step loads the cached plan
     caplog.set_level("INFO", logger="lms")
     again = lms.LMS(budget="18MiB", min_offload_bytes=0, spill_dir=str(tmp_path))
@@ -313,6 +313,27 @@ def test_divergence_is_reported_once_and_falls_back(tmp_path, caplog):
     for _ in range(2):
         with offload:
             model(torch.randn(64, 256)).sum().backward()
+    assert caplog.text.count("falling back") == 1
+
+
+def test_a_block_that_saves_nothing_neither_diverges_nor_silences_a_divergence(tmp_path, caplog):
+    """Evaluation under the same ``with`` (no_grad) saves nothing: no warning, no diverged step,
+    and a later step that does depart from the plan is still reported."""
+    caplog.set_level("WARNING", logger="lms")
+    torch.manual_seed(0)
+    model, x = Chain(), torch.randn(64, 256)
+    offload = lms.LMS(budget="1GiB", min_offload_bytes=0, spill_dir=str(tmp_path))
+    offload.tune(model, [x], _square_step)
+    with offload, torch.no_grad():
+        model(x)
+    with offload:
+        pass
+    assert offload.stats.diverged_steps == 0
+    assert "falling back" not in caplog.text
+    with offload:
+        model(torch.randn(128, 256)).square().mean().backward()  # another batch: other saves
+        model(x).square().mean().backward()
+    assert offload.stats.diverged_steps == 1
     assert caplog.text.count("falling back") == 1
 
 
@@ -373,11 +394,11 @@ def test_a_larger_step_than_the_plans_falls_back_where_it_goes_past(tmp_path, ca
     model, small, large = Chain(), torch.randn(256, 256), torch.randn(1024, 256)
     offload = lms.LMS(budget="3.2MiB", min_offload_bytes=0, spill_dir=str(tmp_path))
     plan = offload.tune(model, [small], _square_step, cache_dir=str(tmp_path / "plans"))
-    assert plan.offload and len(plan.offload) < plan.num_entries
+    assert len(plan.offload) + len(plan.recompute) < plan.num_entries
     for _ in range(2):
         run_step(model, (small,), offload)
     assert "falling back" not in caplog.text
-    assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
+    assert_followed(plan, offload.stats, steps=2)
     ref = run_step(model, (large,))
     assert_bitwise(ref, run_step(model, (large,), offload))
     assert "step 3 saves tensors other than the plan was made for" in caplog.text
@@ -415,11 +436,10 @@ def test_transformer_step_follows_its_plan(tmp_path, caplog, frozen):
     ref = step(contextlib.nullcontext())
     offload = lms.LMS(budget="3MiB", min_offload_bytes=1024, spill_dir=str(tmp_path))
     plan = offload.tune(model, [tokens, targets], _lm_step, cache_dir=str(tmp_path / "plans"))
-    assert plan.offload
     for _ in range(2):
         assert_bitwise(ref, step(offload))
     assert "falling back" not in caplog.text
-    assert offload.stats.offloaded_tensors == 2 * len(plan.offload)
+    assert_followed(plan, offload.stats, steps=2)
 
 
 def test_a_search_stops_at_a_plan_as_fast_as_the_step_without_offload(monkeypatch):

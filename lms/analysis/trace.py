@@ -13,11 +13,13 @@ import functools
 import gc
 import itertools
 import logging
+import random
 import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy
 import torch
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -554,9 +556,51 @@ def _old_objects_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
+@contextlib.contextmanager
+def _random_states_kept() -> Iterator[None]:
+    """The process's random generators as they were before the block, after it.
+
+    Note: [A trace leaves the random generators as it found them]
+    The step's Python code runs for real while its tensors are fake: a model that draws from
+    Python's `random` or numpy's global generator (masks of time steps in speech models, layers
+    dropped at random, the step's own augmentations) draws there as it traces, and so does
+    building a model for real, from PyTorch's generator. A tune between seeding and the first
+    step would then give that step other draws than the same step without it. The trace puts
+    back the state of PyTorch's CPU generator, of every CUDA generator already made, of
+    `random` and of numpy's global generator.
+    """
+    cuda = torch.cuda.is_initialized()
+    states = (
+        random.getstate(),
+        numpy.random.get_state(),
+        torch.random.get_rng_state(),
+        torch.cuda.get_rng_state_all() if cuda else None,
+    )
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        numpy.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+        if states[3] is not None:
+            torch.cuda.set_rng_state_all(states[3])
+
+
+def _keeps_random_states(fn: Callable[..., Trace]) -> Callable[..., Trace]:
+    """``fn`` under `_random_states_kept`."""
+
+    @functools.wraps(fn)
+    def kept(*args: Any, **kwargs: Any) -> Trace:
+        with _random_states_kept():
+            return fn(*args, **kwargs)
+
+    return kept
+
+
 # Long by design: one traced step, read top to bottom: checks, the fake model and batch, the
 # step under the recorder, and the errors it turns into typed ones; its parts share the fake
 # mode's context, which helpers would have to thread through.
+@_keeps_random_states
 def trace_step(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
     batch: Any,

@@ -558,3 +558,51 @@ def test_tensors_of_the_batch_that_share_a_storage_are_traced_sharing_one():
         batch = {"input_ids": ids, "labels": labels}
         sizes[name] = trace_step(model, batch, step, device="cpu", min_offload_bytes=0).input_bytes
     assert sizes == {"same": ids.nbytes, "view": ids.nbytes, "copy": 2 * ids.nbytes}
+
+
+class _DrawsOnTheHost(torch.nn.Module):
+    """A layer kept or skipped by Python's `random` (layer drop), a time mask from numpy's
+    global generator (as speech models draw theirs), and dropout from PyTorch's."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+        self.drop = torch.nn.Dropout(0.2)
+
+    def forward(self, x):
+        import random
+
+        import numpy
+
+        keep = torch.from_numpy(numpy.random.uniform(size=(x.shape[0], 1)) > 0.3)
+        x = x * keep.to(x.dtype)
+        for layer in self.layers:
+            if random.random() < 0.5:
+                x = self.drop(torch.tanh(layer(x)))
+        return x
+
+
+def test_a_tune_leaves_the_random_generators_as_it_found_them(spill_dir):
+    """Note [A trace leaves the random generators as it found them]: seeded alike, the step after
+    a tune draws what the step without one does, and the gradients are the same bits."""
+    import random
+
+    import numpy
+
+    def seeded(ctx=None):
+        torch.manual_seed(0)
+        random.seed(0)
+        numpy.random.seed(0)
+        if ctx is not None:
+            ctx.tune(model, [x], lambda m, batch: m(*batch).square().mean().backward())
+        model.zero_grad(set_to_none=True)
+        with ctx if ctx is not None else contextlib.nullcontext():
+            loss = model(x).square().mean()
+            loss.backward()
+        return loss.detach(), [p.grad for p in model.parameters() if p.grad is not None]
+
+    model, x = _DrawsOnTheHost(), torch.randn(256, 64)
+    ref = seeded()
+    offload = lms.LMS(budget="80%", min_offload_bytes=0, spill_dir=spill_dir)
+    assert_bitwise(ref, seeded(offload))
+    assert offload.plan is not None and offload.stats.diverged_steps == 0

@@ -1,13 +1,15 @@
 """Bitwise check on Hugging Face models outside the zoo: BERT, T5, Qwen2, Mistral, GPT-NeoX and
 ViT, tiny configs (hidden 256, three layers; sequence 512, or 224 px); then BART, Whisper, CLIP,
 Mamba, ModernBERT, Qwen3, ELECTRA, Swin and SegFormer, tinier (hidden 128, two layers; sequence
-256 or 512, 224 or 256 px, Whisper's 3000 frames of 80 mel bins); random weights, on the CPU's
-disk tier. Each is tuned (`LMS.tune`) at a budget 30% of the way from the least any plan
-needs to its peak without offload and runs three steps against three plain ones, PyTorch's
-deterministic algorithms on; it passes when every loss and gradient holds the same bits. The
-language models take a batch as a tokenizer gives it (an attention mask of ones, and labels)
-through the default step; each run also counts the steps that left their plan
-(``diverged_steps``).
+256 or 512, 224 or 256 px, Whisper's 3000 frames of 80 mel bins); then twelve more families as
+tiny (`_further_cases`: wav2vec 2.0 with its time masks, DeBERTa-v2, Longformer, ALBERT, BLOOM,
+GPT-J, OPT, Gemma, XLNet, Funnel, DINOv2, ConvNeXt); random weights, on the CPU's disk tier.
+Each is tuned (`LMS.tune`) at a budget 30% of the way from the least any plan needs to its
+peak without offload and runs three steps against three plain ones, PyTorch's deterministic
+algorithms on, each step after seeding PyTorch's, Python's and numpy's generators alike; it
+passes when every loss and gradient holds the same bits. The language models take a batch as a
+tokenizer gives it (an attention mask of ones, and labels) through the default step; each run
+also counts the steps that left their plan (``diverged_steps``).
 
     .venv/bin/python benchmarks/hf_bitwise.py [--json benchmarks/results/hf_bitwise_cpu.json]
 """
@@ -17,29 +19,51 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import random
 import tempfile
 import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import torch
 from transformers import (
+    AlbertConfig,
+    AlbertForMaskedLM,
     BartConfig,
     BartForConditionalGeneration,
     BertConfig,
     BertForMaskedLM,
+    BloomConfig,
+    BloomForCausalLM,
     CLIPConfig,
     CLIPModel,
+    ConvNextConfig,
+    ConvNextForImageClassification,
+    DebertaV2Config,
+    DebertaV2ForMaskedLM,
+    Dinov2Config,
+    Dinov2ForImageClassification,
     ElectraConfig,
     ElectraForMaskedLM,
+    FunnelConfig,
+    FunnelForMaskedLM,
+    GemmaConfig,
+    GemmaForCausalLM,
+    GPTJConfig,
+    GPTJForCausalLM,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
+    LongformerConfig,
+    LongformerForMaskedLM,
     MambaConfig,
     MambaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     ModernBertConfig,
     ModernBertForMaskedLM,
+    OPTConfig,
+    OPTForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -52,8 +76,12 @@ from transformers import (
     T5ForConditionalGeneration,
     ViTConfig,
     ViTForImageClassification,
+    Wav2Vec2Config,
+    Wav2Vec2ForCTC,
     WhisperConfig,
     WhisperForConditionalGeneration,
+    XLNetConfig,
+    XLNetLMHeadModel,
 )
 
 import lms
@@ -79,6 +107,12 @@ def _image(model: Any, batch: list[torch.Tensor]) -> torch.Tensor:
 
 def _speech(model: Any, batch: list[torch.Tensor]) -> torch.Tensor:
     out = model(input_features=batch[0], labels=batch[1])
+    out.loss.backward()
+    return out.loss
+
+
+def _ctc(model: Any, batch: list[torch.Tensor]) -> torch.Tensor:
+    out = model(input_values=batch[0], labels=batch[1])
     out.loss.backward()
     return out.loss
 
@@ -167,6 +201,88 @@ def _more_cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] 
     }
 
 
+def _further_cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | None]]:
+    """Speech with time masks drawn from numpy, disentangled, sliding-window and two-stream
+    attention, layers sharing their weights, ALiBi, parallel attention and feed-forward, pooled
+    sequences, and convolutional and registered-patch vision models, as tiny as `_more_cases`."""
+    ids = torch.randint(0, 500, (2, 256))
+    tokens = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    images = [torch.randn(2, 3, 224, 224), torch.randint(0, 10, (2,))]
+    small = {**SMALL, "num_attention_heads": 4}
+    wav2vec2 = Wav2Vec2Config(
+        **small, vocab_size=32, conv_dim=(32, 32, 32), conv_stride=(5, 2, 2),
+        conv_kernel=(10, 3, 3), num_feat_extract_layers=3, mask_time_prob=0.2,
+        mask_time_length=4, num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+    )  # fmt: skip
+    deberta = DebertaV2Config(
+        **SMALL_LM, relative_attention=True, pos_att_type=["p2c", "c2p"],
+        max_relative_positions=64,
+    )  # fmt: skip
+    longformer = LongformerConfig(
+        **SMALL_LM, attention_window=64, max_position_embeddings=600, pad_token_id=1
+    )
+    decoder = {"vocab_size": 500, "n_layer": 2, "n_head": 4}
+    opt = OPTConfig(
+        hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=500, dropout=0.1,
+    )  # fmt: skip
+    funnel = FunnelConfig(
+        vocab_size=500, block_sizes=[1, 1], d_model=128, n_head=4, d_head=32, d_inner=256
+    )
+    xlnet = XLNetConfig(d_model=128, n_layer=2, n_head=4, d_inner=256, vocab_size=500)
+    convnext = ConvNextConfig(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1], num_labels=10)
+    return {
+        "wav2vec2": (
+            lambda: Wav2Vec2ForCTC(wav2vec2),
+            [torch.randn(2, 16000), torch.randint(1, 32, (2, 40))],
+            _ctc,
+        ),
+        "deberta_v2": (lambda: DebertaV2ForMaskedLM(deberta), tokens, None),
+        "longformer": (lambda: LongformerForMaskedLM(longformer), tokens, None),
+        "albert": (
+            lambda: AlbertForMaskedLM(AlbertConfig(**SMALL_LM, embedding_size=64)),
+            tokens,
+            None,
+        ),
+        "bloom": (lambda: BloomForCausalLM(BloomConfig(hidden_size=128, **decoder)), tokens, None),
+        "gptj": (
+            lambda: GPTJForCausalLM(
+                GPTJConfig(n_embd=128, rotary_dim=16, n_positions=512, **decoder)
+            ),
+            tokens,
+            None,
+        ),
+        "opt": (lambda: OPTForCausalLM(opt), tokens, None),
+        "gemma": (
+            lambda: GemmaForCausalLM(GemmaConfig(**SMALL_LM, num_key_value_heads=1, head_dim=32)),
+            tokens,
+            None,
+        ),
+        "xlnet": (lambda: XLNetLMHeadModel(xlnet), {"input_ids": ids, "labels": ids}, None),
+        "funnel": (lambda: FunnelForMaskedLM(funnel), tokens, None),
+        "dinov2": (
+            lambda: Dinov2ForImageClassification(
+                Dinov2Config(**small, image_size=224, patch_size=14, num_labels=10)
+            ),
+            images,
+            _image,
+        ),
+        "convnext": (lambda: ConvNextForImageClassification(convnext), images, _image),
+    }
+
+
+def _all_cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | None]]:
+    return _cases() | _more_cases() | _further_cases()
+
+
+def _seed(seed: int) -> None:
+    """PyTorch's, Python's and numpy's generators, alike in both runs (wav2vec 2.0 draws its
+    time masks from numpy's)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy.random.seed(seed)
+
+
 def _cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | None]]:
     ids = torch.randint(0, 500, (4, 512))
     # as a tokenizer gives it, with labels, through the default step (the model's own loss)
@@ -206,7 +322,7 @@ def _cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | Non
 
 def check(name: str, spill_dir: str) -> dict[str, Any]:
     """Tune ``name`` between its floor and its peak; three steps against plain ones."""
-    build, batch, given = (_cases() | _more_cases())[name]
+    build, batch, given = _all_cases()[name]
     step = given or default_step
     torch.manual_seed(0)
     model = build()
@@ -224,9 +340,9 @@ def check(name: str, spill_dir: str) -> dict[str, Any]:
     for seed in range(3):
         plain.zero_grad(set_to_none=True)
         moved.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
+        _seed(seed)
         expected = step(plain, batch)
-        torch.manual_seed(seed)
+        _seed(seed)
         with offload:
             got = step(moved, batch)
         bitwise = bitwise and torch.equal(expected, got)
@@ -247,7 +363,7 @@ def check(name: str, spill_dir: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(_cases() | _more_cases()))
+    parser.add_argument("--models", default=",".join(_all_cases()))
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")

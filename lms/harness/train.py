@@ -280,7 +280,7 @@ def train(
         offload.close()
     if kept is not None:
         kept.remove()
-    _log_result(result, memory, entry.unit)
+    _log_result(result, memory, entry)
     return result
 
 
@@ -433,7 +433,7 @@ def _run_steps(
     return loss, times, peaks
 
 
-def _log_result(result: TrainResult, memory: Any, unit: str) -> None:
+def _log_result(result: TrainResult, memory: Any, entry: ZooModel) -> None:
     """The run's `[LMS]` line: its step time, rate and peak, and on a CPU where the peak came
     from (weights and batch, then the heap's or the resident set's growth)."""
     start_bytes = result.start_bytes
@@ -446,14 +446,14 @@ def _log_result(result: TrainResult, memory: Any, unit: str) -> None:
             grew = f"the heap in use {grew} ({format_bytes(result.rss_growth_bytes or 0)} resident)"
         measure = f": {format_bytes(start_bytes)} of weights and batch, then {grew}"
     log.info(
-        "[LMS] %s size %d batch %d, %s: %.3f s/step, %.3g samples/s, %s, peak %s%s",
+        "[LMS] %s %s batch %d, %s: %.3f s/step, %.3g samples/s, %s, peak %s%s",
         result.model,
-        result.size,
+        entry.sized(result.size),
         result.batch_size,
         result.method,
         result.step_s,
         result.samples_per_s,
-        format_rate(result.elements_per_s, unit),
+        format_rate(result.elements_per_s, entry.unit),
         format_bytes(result.peak_bytes),
         measure,
     )

@@ -471,7 +471,10 @@ class Session:
         found = self._by_storage.get(slot)
         entry = found[1] if found is not None and found[0]() is storage else None
         base = tensor if tensor._base is None else tensor._base
-        if (
+        if entry is not None and self._copies_again(step, entry, base):
+            entry = self._twin(step, entry, storage, tensor.device, base)
+            self._by_storage[slot] = (weakref.ref(storage), entry)
+        elif (
             entry is None
             or entry.released
             or ((entry.offloaded or entry.recipe is not None) and not self._joins(entry, base))
@@ -520,10 +523,61 @@ class Session:
         change: RNN cells update chunks of one storage in place through views with version
         counters of their own. A view saved later joins the copy only when it comes from the
         same base tensor and that base's version (shared by all its ordinary views) has not
-        moved since the copy; otherwise the storage is copied again.
+        moved since the copy; otherwise the storage is copied again: as a new entry, or, in a
+        step that follows a plan that recomputes nothing, as a twin of the first (Note [A
+        storage copied again keeps its place in the plan]).
         """
         owner = entry.base() if entry.base is not None else None
         return owner is base and base._version == entry.copied_version
+
+    def _copies_again(self, step: Step, entry: Entry, base: torch.Tensor) -> bool:
+        """Whether a save through ``base`` of the storage ``entry`` copied out already is copied
+        again under ``entry``'s ordinal.
+
+        Note: [A storage copied again keeps its place in the plan]
+        The trace counts a storage once however many views of it are saved, but once its bytes
+        have left the device, a view from another base, or from the same base at a later
+        version, is copied again (Note [Join a copied storage only through the same base at the
+        same version]): an RNN cell saves chunks of its gates, each a base of its own, and
+        changes some in place between saves. As a new entry, that copy would shift every later
+        ordinal off the plan's, and a step of a cell loop would leave its plan at its first
+        cell. Where a step follows a plan that offloads the storage, the copy is a twin instead:
+        an entry of the same ordinal, outside the step's list, moved where the plan moves that
+        ordinal and read back when backward reads it. It costs a second copy the simulator
+        does not price. Only under a plan that recomputes nothing: a replay names its inputs
+        by entry (Note [Name a recipe's inputs by entry]), and which of the two copies holds
+        the bytes an input was read with is not followed; a step of a plan that replays
+        leaves it there, as any step whose saves are not the plan's.
+        """
+        return (
+            self._follow.following(step)
+            and self.plan is not None
+            and not self.plan.recompute
+            and step.owns(entry)
+            and not entry.released
+            and entry.offloaded
+            and entry.recipe is None
+            and not self._joins(entry, base)
+        )
+
+    def _twin(
+        self,
+        step: Step,
+        entry: Entry,
+        storage: torch.UntypedStorage,
+        device: torch.device,
+        base: torch.Tensor,
+    ) -> Entry:
+        """A second entry of ``entry``'s ordinal for ``storage`` saved through ``base``, moved
+        out as the plan moves that ordinal (Note [A storage copied again keeps its place in the
+        plan])."""
+        twin = Entry(next(self._keys), entry.ordinal, storage, device)
+        twin.base = weakref.ref(base)
+        self._live[twin.key] = twin
+        step.twins.add(twin.key)
+        self._offload(twin)
+        self._evict(step)
+        return twin
 
     def _new_entry(
         self,

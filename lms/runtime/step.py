@@ -215,11 +215,16 @@ class Step:
         self.forward_again = False  # saved after every earlier save was released (by backward)
         self.held: dict[tuple[str, int], weakref.ref[torch.UntypedStorage]] = {}
         """Storages that saves kept in place hold, by (device, address)."""
+        self.twins: set[int] = set()
+        """Keys of the entries that copy a storage again under its entry's ordinal (Note [A
+        storage copied again keeps its place in the plan])."""
         self.to_empty: list[Entry] = []
         """Offloaded entries the plan empties in place, not emptied yet (`Entry.empty_at`)."""
 
     def owns(self, entry: Entry) -> bool:
-        return entry.ordinal < len(self.entries) and self.entries[entry.ordinal] is entry
+        return (
+            entry.ordinal < len(self.entries) and self.entries[entry.ordinal] is entry
+        ) or entry.key in self.twins
 
     def note_held_outside(self) -> None:
         """At the end of a step that ran backward, a storage the runtime moved whose device copy

@@ -55,6 +55,25 @@ class Recurrent(nn.Module):
         return self.head(out)
 
 
+class CellLoop(nn.Module):
+    """An RNN cell over a sequence's time steps: each step saves chunks of the cell's gates,
+    each a base of its own, and changes some of them in place between the saves."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.cell = getattr(nn, kind)(64, 128)
+        self.head = nn.Linear(128, 1)
+
+    def forward(self, x):
+        h = c = torch.zeros(x.shape[1], 128)
+        for t in range(x.shape[0]):
+            if isinstance(self.cell, nn.LSTMCell):
+                h, c = self.cell(x[t], (h, c))
+            else:
+                h = self.cell(x[t], h)
+        return self.head(h)
+
+
 class Checkpointed(nn.Module):
     def __init__(self):
         super().__init__()
@@ -156,6 +175,34 @@ def test_a_tuned_step_that_differentiates_its_batch_follows_its_plan(spill_dir):
     assert_followed(plan, offload.stats, steps=1)
     assert_bitwise(ref, got)
     assert same_bits(ref_x.grad, got_x.grad)
+
+
+def _square_step(model, batch):
+    """`run_step`'s step."""
+    model(*batch).float().square().mean().backward()
+
+
+@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell"])
+def test_a_cell_loop_follows_a_plan_that_offloads_its_gates(kind, spill_dir):
+    """Note [A storage copied again keeps its place in the plan]: the chunks of a gates storage
+    the plan offloads, saved after it went out, are copied again under its ordinal, and the
+    step keeps to the plan (it left it at its first cell before)."""
+    from lms.analysis import device_spec, trace_step
+    from lms.planning.candidates import Candidates
+
+    torch.manual_seed(0)
+    model, x = CellLoop(kind), torch.randn(6, 256, 64)
+    ref = run_step(model, [x])
+    trace = trace_step(model, [x], _square_step, device="cpu", min_offload_bytes=0)
+    candidates = Candidates(trace, device_spec("cpu"), budget_bytes=2**40)
+    plan = candidates.plan(range(candidates.num_entries), source="test")
+    offload = lms.LMS(plan=plan, tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+    for _ in range(2):
+        assert_bitwise(ref, run_step(model, [x], offload))
+    assert plan.offload and offload.stats.diverged_steps == 0
+    assert offload.stats.offloaded_tensors > 2 * len(plan.offload)  # the twins' copies too
+    offload.close()
+    assert spill_files(spill_dir) == []
 
 
 def test_backward_after_the_block(spill_dir):

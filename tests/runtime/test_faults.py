@@ -245,7 +245,7 @@ def test_ctrl_c_leaves_no_spill_files(tmp_path):
 
 KILLER = textwrap.dedent(
     """
-    import os, signal, sys, torch, lms
+    import os, signal, sys, time, torch, lms
     spill, how, where = sys.argv[1], getattr(signal, sys.argv[2]), sys.argv[3]
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
@@ -261,6 +261,10 @@ KILLER = textwrap.dedent(
         return sum(link.startswith(os.path.realpath(spill)) for link in links)
 
     def kill(*args):
+        # the I/O thread opens the spill files: on a loaded machine it may not have yet
+        deadline = time.monotonic() + 30
+        while not held() and time.monotonic() < deadline:
+            time.sleep(0.01)
         print("files", held(), flush=True)
         os.kill(os.getpid(), how)
 

@@ -1,6 +1,8 @@
 """Losses and gradients with everything offloaded equal the plain step bit for bit."""
 
 import contextlib
+import pathlib
+import runpy
 
 import pytest
 import torch
@@ -53,25 +55,6 @@ class Recurrent(nn.Module):
     def forward(self, x):
         out, _ = self.rnn(x)
         return self.head(out)
-
-
-class CellLoop(nn.Module):
-    """An RNN cell over a sequence's time steps: each step saves chunks of the cell's gates,
-    each a base of its own, and changes some of them in place between the saves."""
-
-    def __init__(self, kind):
-        super().__init__()
-        self.cell = getattr(nn, kind)(64, 128)
-        self.head = nn.Linear(128, 1)
-
-    def forward(self, x):
-        h = c = torch.zeros(x.shape[1], 128)
-        for t in range(x.shape[0]):
-            if isinstance(self.cell, nn.LSTMCell):
-                h, c = self.cell(x[t], (h, c))
-            else:
-                h = self.cell(x[t], h)
-        return self.head(h)
 
 
 class Checkpointed(nn.Module):
@@ -190,8 +173,9 @@ def test_a_cell_loop_follows_a_plan_that_offloads_its_gates(kind, spill_dir):
     from lms.analysis import device_spec, trace_step
     from lms.planning.candidates import Candidates
 
+    loop = runpy.run_path(str(pathlib.Path(__file__).parents[2] / "benchmarks/cell_loops.py"))
     torch.manual_seed(0)
-    model, x = CellLoop(kind), torch.randn(6, 256, 64)
+    model, x = loop["CellLoop"](kind), torch.randn(6, 256, 64)
     ref = run_step(model, [x])
     trace = trace_step(model, [x], _square_step, device="cpu", min_offload_bytes=0)
     candidates = Candidates(trace, device_spec("cpu"), budget_bytes=2**40)

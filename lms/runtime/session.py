@@ -531,8 +531,8 @@ class Session:
         return owner is base and base._version == entry.copied_version
 
     def _copies_again(self, step: Step, entry: Entry, base: torch.Tensor) -> bool:
-        """Whether a save through ``base`` of the storage ``entry`` copied out already is copied
-        again under ``entry``'s ordinal.
+        """Whether a save through ``base`` of the storage of ``entry`` (copied out already, or
+        let go of) is a twin of it under its ordinal.
 
         Note: [A storage copied again keeps its place in the plan]
         The trace counts a storage once however many views of it are saved, but once its bytes
@@ -541,24 +541,25 @@ class Session:
         same version]): an RNN cell saves chunks of its gates, each a base of its own, and
         changes some in place between saves. As a new entry, that copy would shift every later
         ordinal off the plan's, and a step of a cell loop would leave its plan at its first
-        cell. Where a step follows a plan that offloads the storage, the copy is a twin instead:
-        an entry of the same ordinal, outside the step's list, moved where the plan moves that
-        ordinal and read back when backward reads it. It costs a second copy the simulator
-        does not price. Only under a plan that recomputes nothing: a replay names its inputs
-        by entry (Note [Name a recipe's inputs by entry]), and which of the two copies holds
-        the bytes an input was read with is not followed; a step of a plan that replays
-        leaves it there, as any step whose saves are not the plan's.
+        cell. So does a storage saved again after autograd let go of all its saves (the indices
+        that unsort a packed sequence). Where a step follows a plan, such a save is a twin
+        instead: an entry of the same ordinal, outside the step's list, moved out where the
+        plan moves that ordinal (else kept) and read back when backward reads it. A copy it
+        makes is one the simulator does not price. Only under a plan that recomputes nothing:
+        a replay names its inputs by entry (Note [Name a recipe's inputs by entry]), and which
+        of the two copies holds the bytes an input was read with is not followed; a step of a
+        plan that replays leaves it there, as any step whose saves are not the plan's.
         """
-        return (
+        if not (
             self._follow.following(step)
             and self.plan is not None
             and not self.plan.recompute
             and step.owns(entry)
-            and not entry.released
-            and entry.offloaded
-            and entry.recipe is None
-            and not self._joins(entry, base)
-        )
+        ):
+            return False
+        if entry.released:
+            return True
+        return entry.offloaded and entry.recipe is None and not self._joins(entry, base)
 
     def _twin(
         self,
@@ -569,14 +570,18 @@ class Session:
         base: torch.Tensor,
     ) -> Entry:
         """A second entry of ``entry``'s ordinal for ``storage`` saved through ``base``, moved
-        out as the plan moves that ordinal (Note [A storage copied again keeps its place in the
-        plan])."""
+        out or kept as the plan has that ordinal (Note [A storage copied again keeps its place
+        in the plan])."""
         twin = Entry(next(self._keys), entry.ordinal, storage, device)
         twin.base = weakref.ref(base)
         self._live[twin.key] = twin
         step.twins.add(twin.key)
-        self._offload(twin)
-        self._evict(step)
+        if self._follow.offloads(step, twin):
+            self._offload(twin)
+            self._evict(step)
+        else:
+            step.resident.append(twin)
+            step.resident_bytes += twin.nbytes
         return twin
 
     def _new_entry(

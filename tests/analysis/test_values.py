@@ -170,6 +170,32 @@ def test_a_recurrent_layer_on_packed_sequences_traces_and_its_plan_is_bitwise(
     offload.close()
 
 
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_a_recurrent_layer_on_packed_sequences_keeps_to_a_plan_that_offloads(kind, tmp_path):
+    """Note [A storage copied again keeps its place in the plan]: the cells' gates saved again
+    after their storage went out, and the indices that unsort the sequences saved again after
+    autograd let go of them, are twins of their entries; the step keeps to the plan."""
+    from lms.analysis import device_spec
+    from lms.planning.candidates import Candidates
+
+    torch.manual_seed(0)
+    model = Packed(kind)
+    batch = [
+        torch.randint(0, 50, (5, 12)),
+        torch.tensor([7, 12, 3, 9, 12]),
+        torch.tensor([0, 2, 1, 1, 0]),
+    ]
+    ref = _run(model, batch)
+    trace = trace_step(model, batch, _step, device="cpu", min_offload_bytes=0)
+    candidates = Candidates(trace, device_spec("cpu"), budget_bytes=2**40)
+    plan = candidates.plan(range(candidates.num_entries), source="test")
+    offload = lms.LMS(plan=plan, tier="disk", spill_dir=str(tmp_path), min_offload_bytes=0)
+    for _ in range(2):
+        assert_bitwise(ref, _run(model, batch, offload))
+    assert plan.offload and offload.stats.diverged_steps == 0
+    offload.close()
+
+
 def test_the_kept_labels_shape_the_trace_as_they_shape_the_step():
     model, given = KeptLabels(), _labels_batch()
     trace = trace_step(model, given, _step, device="cpu", min_offload_bytes=0)

@@ -586,21 +586,10 @@ def _random_states_kept() -> Iterator[None]:
             torch.cuda.set_rng_state_all(states[3])
 
 
-def _keeps_random_states(fn: Callable[..., Trace]) -> Callable[..., Trace]:
-    """``fn`` under `_random_states_kept`."""
-
-    @functools.wraps(fn)
-    def kept(*args: Any, **kwargs: Any) -> Trace:
-        with _random_states_kept():
-            return fn(*args, **kwargs)
-
-    return kept
-
-
 # Long by design: one traced step, read top to bottom: checks, the fake model and batch, the
 # step under the recorder, and the errors it turns into typed ones; its parts share the fake
 # mode's context, which helpers would have to thread through.
-@_keeps_random_states
+@_random_states_kept()
 def trace_step(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
     batch: Any,

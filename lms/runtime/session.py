@@ -582,6 +582,9 @@ class Session:
         else:
             step.resident.append(twin)
             step.resident_bytes += twin.nbytes
+            self.stats.peak_resident_saved_bytes = max(
+                self.stats.peak_resident_saved_bytes, step.resident_bytes
+            )
         return twin
 
     def _new_entry(

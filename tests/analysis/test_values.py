@@ -85,6 +85,15 @@ class Packed(nn.Module):
         return F.cross_entropy(self.out(padded.sum(1)), labels)
 
 
+def _packed_batch():
+    """Five sequences of 3 to 12 tokens, as `Packed` takes them, with their labels."""
+    return [
+        torch.randint(0, 50, (5, 12)),
+        torch.tensor([7, 12, 3, 9, 12]),
+        torch.tensor([0, 2, 1, 1, 0]),
+    ]
+
+
 def _step(model, batch):
     loss = model(*batch)
     loss.backward()
@@ -145,11 +154,7 @@ def test_a_recurrent_layer_on_packed_sequences_traces_and_its_plan_is_bitwise(
         monkeypatch.setattr(values_module, "REAL_ELEMENTS", limit)
     torch.manual_seed(0)
     model = Packed(kind)
-    batch = [
-        torch.randint(0, 50, (5, 12)),
-        torch.tensor([7, 12, 3, 9, 12]),
-        torch.tensor([0, 2, 1, 1, 0]),
-    ]
+    batch = _packed_batch()
     ref = _run(model, batch)
     trace = trace_step(model, batch, _step, device="cpu", min_offload_bytes=0)
     # each time step runs the rows still going, as the lengths set them: 5, 4, 3 or 2
@@ -180,11 +185,7 @@ def test_a_recurrent_layer_on_packed_sequences_keeps_to_a_plan_that_offloads(kin
 
     torch.manual_seed(0)
     model = Packed(kind)
-    batch = [
-        torch.randint(0, 50, (5, 12)),
-        torch.tensor([7, 12, 3, 9, 12]),
-        torch.tensor([0, 2, 1, 1, 0]),
-    ]
+    batch = _packed_batch()
     ref = _run(model, batch)
     trace = trace_step(model, batch, _step, device="cpu", min_offload_bytes=0)
     candidates = Candidates(trace, device_spec("cpu"), budget_bytes=2**40)

@@ -322,11 +322,19 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument(
         "--step",
         type=_count,
-        required=True,
-        help="edge increment (sequence length, for a model of tokens)",
+        default=None,
+        help="edge increment (sequence length, for a model of tokens; default: the first)",
     )
-    sweep.add_argument(
+    first = sweep.add_mutually_exclusive_group()
+    first.add_argument(
         "--start", type=_count, default=None, help="first edge or length (default: --step)"
+    )
+    first.add_argument(
+        "--seq-len",
+        type=_count,
+        metavar="N",
+        default=None,
+        help="first sequence length, for a model of tokens (as --start)",
     )
     sweep.add_argument(
         "--max-size",
@@ -405,11 +413,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = add_command("bench", help="measure LMS beside the peers over sizes")
     bench.add_argument("--model", required=True, help=_MODEL_HELP)
-    bench.add_argument(
+    sizes = bench.add_mutually_exclusive_group(required=True)
+    sizes.add_argument(
         "--sizes",
         type=_counts,
-        required=True,
         help="comma-separated edges (sequence lengths, for a model of tokens)",
+    )
+    sizes.add_argument(
+        "--seq-len",
+        type=_counts,
+        metavar="N[,N...]",
+        help="comma-separated sequence lengths, for a model of tokens (as --sizes)",
     )
     bench.add_argument("--budget", default=None, help="device memory each run may use, e.g. 32GiB")
     bench.add_argument(
@@ -517,7 +531,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"lms: --seq-len is the length of a model's sequences of tokens, and "
                         f"{args.model} takes {entry.unit}; give its edge with --image-size"
                     )
-                args.image_size = args.seq_len
+                if args.command == "bench":
+                    args.sizes = args.seq_len
+                elif args.command == "sweep":
+                    args.start = args.seq_len
+                else:
+                    args.image_size = args.seq_len
+            if args.command == "sweep" and args.step is None:
+                if args.start is None:
+                    raise ValueError(
+                        "lms: sweep needs --step, the edge's (or length's) increment, or a first "
+                        "size (--start, --seq-len) to grow by"
+                    )
+                args.step = args.start
             if args.batch_size is None:
                 args.batch_size = entry.default_batch(
                     getattr(args, "image_size", None) or entry.default_size

@@ -49,6 +49,26 @@ def test_analyze_takes_a_share_of_the_steps_peak_and_a_sweep_refuses_one(tmp_pat
     assert main(sweep) == 2
 
 
+def test_sweep_and_bench_take_sequence_lengths_for_a_model_of_tokens(monkeypatch, tmp_path):
+    """``--seq-len`` is the first length of a sweep (its step too, unless given) and the
+    lengths a bench runs; on a model of pixels either is refused before any work."""
+    from lms.harness import bench as compare
+
+    out = tmp_path / "sweep.json"
+    argv = ["-q", "sweep", "--model", "tinylm", "--gpu-memory", "16GiB", "--seq-len", "32"]
+    assert main([*argv, "--max-size", "96", "--json", str(out)]) == 0
+    assert [point["size"] for point in json.loads(out.read_text())["points"]] == [32, 64, 96]
+    asked = {}
+    monkeypatch.setattr(
+        compare, "bench", lambda model, **kw: asked.update(kw) or {"largest_size": {}, "points": []}
+    )
+    assert main(["-q", "bench", "--model", "tinylm", "--seq-len", "32,64"]) == 0
+    assert asked["sizes"] == [32, 64]
+    for command in (["sweep", "--gpu-memory", "16GiB"], ["bench"]):
+        assert main([*command, "--model", "resnet50", "--seq-len", "64"]) == 2
+    assert main(["sweep", "--model", "tinylm", "--gpu-memory", "16GiB"]) == 2  # nothing to grow
+
+
 def test_every_bench_run_failing_is_its_own_exit_code(monkeypatch, tmp_path):
     from lms.harness import bench as compare
 

@@ -468,3 +468,35 @@ def test_a_search_stops_at_a_plan_as_fast_as_the_step_without_offload(monkeypatc
     assert plans[0].predicted_overhead <= 1e-3
     assert (plans[0].offload, plans[0].recompute) == (plans[1].offload, plans[1].recompute)
     assert counts[0] < counts[1] / 2, counts
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.6, 0.75, 0.9])
+def test_only_the_fastest_prefixes_are_extended(monkeypatch, fraction):
+    """Note [Extend the fastest prefixes only]: each starting set grows `EXTENDED` variants'
+    longest kept prefixes one storage at a time, and the plan is as fast as with every variant
+    grown, in fewer simulations."""
+    from lms.planning.greedy import search
+
+    def model():
+        blocks = [(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Tanh()) for _ in range(6)]
+        return nn.Sequential(*[m for block in blocks for m in block])
+
+    trace = trace_step(model, lambda: [torch.randn(2048, 256)], device="cpu")
+    spec = small_spec()
+    budget = int(simulate(trace, None, spec).peak_bytes * fraction)
+    grown: list[int] = []
+    extend = search.Search._extend
+    monkeypatch.setattr(
+        search.Search, "_extend", lambda self, *a: grown.append(1) or extend(self, *a)
+    )
+    runs = []
+    for extended in (len(search.VARIANTS), search.EXTENDED):
+        monkeypatch.setattr(search, "EXTENDED", extended)
+        grown.clear()
+        checker = Candidates(trace, spec, budget)
+        found = search.Search(checker, half=False, max_simulations=20000).best()
+        assert found is not None
+        runs.append((found[0], checker.simulations, len(grown)))
+    (every_s, every_sims, every_grown), (step_s, sims, count) = runs
+    assert count < every_grown and sims < every_sims, runs
+    assert step_s <= every_s * 1.001, runs

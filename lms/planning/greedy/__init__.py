@@ -3,8 +3,8 @@
 Start from the smallest-memory plan (every saved tensor out). Entries are ranked by how long they
 would sit on the device between their save and their first use in backward, times their bytes:
 those that cost least device memory per transfer avoided come first. A binary search finds the
-longest run of that ranking that can stay on the device, a greedy pass tries the rest one by one,
-and the prefetch distance is chosen for the shortest predicted step. That search runs from three
+longest run of that ranking that can stay on the device for each prefetch distance, and for the
+distances fastest there a greedy pass tries the rest one by one. That search runs from three
 starting sets of storages recomputed instead of moved (`lms.core.recipes`): replays cheaper
 than their copy with chains allowed, without chains, and only those bound by memory traffic.
 The best of each is refined, then the next best few with other kept sets (the fastest search is

@@ -500,3 +500,32 @@ def test_only_the_fastest_prefixes_are_extended(monkeypatch, fraction):
     (every_s, every_sims, every_grown), (step_s, sims, count) = runs
     assert count < every_grown and sims < every_sims, runs
     assert step_s <= every_s * 1.001, runs
+
+
+def test_searches_far_behind_the_fastest_are_not_refined(monkeypatch):
+    """Note [Refine the searches near the fastest]: a search predicted slower than `BEHIND`
+    times the fastest is not refined, though it is its starting set's fastest."""
+    from lms.planning.greedy import search
+
+    def model():
+        blocks = [(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Tanh()) for _ in range(6)]
+        return nn.Sequential(*[m for block in blocks for m in block])
+
+    trace = trace_step(model, lambda: [torch.randn(2048, 256)], device="cpu")
+    spec = small_spec()
+    budget = int(simulate(trace, None, spec).peak_bytes * 0.6)
+    started: list[float] = []
+    refine = search.refine
+    monkeypatch.setattr(
+        search, "refine", lambda c, r, s, *a: started.append(s) or refine(c, r, s, *a)
+    )
+    refined = {}
+    for behind in (1e9, 1.0):
+        monkeypatch.setattr(search, "BEHIND", behind)
+        started.clear()
+        found = search.Search(Candidates(trace, spec, budget), half=False, max_simulations=20000)
+        assert found.best() is not None
+        refined[behind] = list(started)
+    everything, nearest = refined[1e9], refined[1.0]
+    assert len(nearest) < len(everything), refined
+    assert all(step_s == min(everything) for step_s in nearest), refined

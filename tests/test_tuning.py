@@ -204,6 +204,7 @@ def test_a_budget_given_as_a_share_of_the_peak_is_set_by_tune(spill_dir, tmp_pat
     import lms
     from lms.analysis import simulate, trace_step
     from lms.orchestration.local import local_device_spec
+    from tests.conftest import assert_followed
 
     torch.manual_seed(0)
     layers = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(8)]
@@ -229,10 +230,10 @@ def test_a_budget_given_as_a_share_of_the_peak_is_set_by_tune(spill_dir, tmp_pat
     traced = trace_step(model, batch, step, device="cpu", min_offload_bytes=0)
     peak = simulate(traced, None, local_device_spec(torch.device("cpu"))).peak_bytes
     assert offload.config.budget == plan.budget_bytes == int(0.6 * peak)
-    assert offload.config.budget_share is None and plan.offload
+    assert offload.config.budget_share is None
     with offload:
         step(model, batch)
-    assert offload.stats.offloaded_tensors == len(plan.offload)
+    assert_followed(plan, offload.stats, steps=1)  # spilled or replayed, as the rates have it
     offload.close()
 
 

@@ -50,14 +50,25 @@ def _step(model, batch):
 
 
 def _recorded(spill_dir, budget_share=0.6, steps=2):
-    from lms.analysis import simulate, trace_step
-    from lms.orchestration.local import local_device_spec
+    """Steps of the conv stack recorded under a plan that spills: tuned on the named CPU spec
+    with its copies beside compute, so that how fast this machine is at the time (rates
+    measured under a loaded suite) cannot turn it into a plan that only replays."""
+    import dataclasses
+    from unittest import mock
+
+    from lms.analysis import device_spec, simulate, trace_step
+    from lms.orchestration import tuning
 
     model, x = _conv_stack()
     trace = trace_step(model, [x], _step, device="cpu")
-    peak = simulate(trace, None, local_device_spec(torch.device("cpu"))).peak_bytes
+    beside = dataclasses.replace(device_spec("cpu"), copies_take_compute=False)
+    peak = simulate(trace, None, beside).peak_bytes
     offload = lms.LMS(budget=int(budget_share * peak), tier="disk", spill_dir=spill_dir)
-    offload.tune(model, [x], _step)
+    with (
+        mock.patch.object(tuning, "local_device_spec", lambda device: beside),
+        mock.patch.object(tuning, "with_local_timings", lambda spec, *args: spec),
+    ):
+        offload.tune(model, [x], _step)
     offload.record_steps("cpu")
     for _ in range(steps):
         run_step(model, [x], offload)

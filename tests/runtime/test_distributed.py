@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import lms
 import lms.analysis
-from tests.conftest import run_script, same_bits
+from tests.conftest import assert_followed, run_script, same_bits
 
 WORLD = 2
 
@@ -219,8 +219,7 @@ def test_data_parallel_steps_are_bitwise_and_follow_each_plan(fits):
     plain, ranks = fits["ddp"]
     for rank, report in enumerate(ranks):
         plan, stats = report["plan"], report["stats"]
-        assert plan.offload, "the budget is meant to make the plan move tensors"
-        assert stats.offloaded_tensors == 2 * len(plan.offload), rank  # followed, not diverged
+        assert_followed(plan, stats, steps=2)  # spilled or replayed, as the rates have it
         assert report["spill_files"] == []
         for a, b in zip(plain[rank]["params"], report["params"], strict=True):
             assert same_bits(a, b)
@@ -233,8 +232,8 @@ def test_sharded_steps_follow_their_tuned_plan_bitwise_within_the_budget(fits):
     for rank, report in enumerate(ranks):
         plan, stats = report["plan"], report["stats"]
         assert "refused" not in report, report.get("refused")
-        assert plan is not None and plan.offload, "the budget is meant to make the plan move"
-        assert stats.offloaded_tensors == 2 * len(plan.offload), rank  # followed, not diverged
+        assert plan is not None
+        assert_followed(plan, stats, steps=2)  # spilled or replayed, as the rates have it
         assert stats.peak_resident_saved_bytes <= 2 * 2**20
         assert stats.kept_tensors > 0  # the gathered weights stay where FSDP put them
         assert report["spill_files"] == []

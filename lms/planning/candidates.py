@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from lms.analysis.simulate import SimResult, simulate
 from lms.core.devices import DeviceSpec
@@ -37,6 +38,8 @@ class Candidates:
     gaps: bool = False
     """With `free_held`: whether plans also empty what they offload over the gaps between
     forward's reads of it (Note [Gaps in what the code holds])."""
+    progress: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """A progress bar (tqdm's) advanced by one at each simulation, where a search shows one."""
 
     def __post_init__(self) -> None:
         self.fingerprint = self.trace.fingerprint()
@@ -133,6 +136,8 @@ class Candidates:
         known = self._results.get(plan)
         if known is None:
             self.simulations += 1
+            if self.progress is not None:
+                self.progress.update(1)
             result = simulate(self.trace, plan, self.spec, half=self.half)
             known = dataclasses.replace(
                 result, timeline_s=(), device_bytes=(), host_bytes=(), residency=None

@@ -529,3 +529,41 @@ def test_searches_far_behind_the_fastest_are_not_refined(monkeypatch):
     everything, nearest = refined[1e9], refined[1.0]
     assert len(nearest) < len(everything), refined
     assert all(step_s == min(everything) for step_s in nearest), refined
+
+
+def test_a_search_shows_its_simulations_against_its_cap(monkeypatch):
+    """The per-tensor search's progress bar counts every distinct plan it simulates, out of its
+    cap, and is closed when the search ends."""
+    import lms.planning.greedy as greedy
+
+    bars = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            self.kwargs, self.count, self.closed = kwargs, 0, False
+            bars.append(self)
+
+        def update(self, n):
+            self.count += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.closed = True
+
+    monkeypatch.setattr(greedy, "tqdm", Bar)
+    counted = []
+    run = Candidates.run
+    monkeypatch.setattr(
+        Candidates,
+        "run",
+        lambda self, plan: counted.append(self) or run(self, plan),
+    )
+    trace = trace_of(Skips)
+    spec = small_spec()
+    plan_greedy(trace, spec, int(simulate(trace, None, spec).peak_bytes * 0.6), max_simulations=500)
+    (bar,) = bars
+    checker = counted[-1]
+    assert bar.kwargs["total"] == 500 and bar.closed and checker.progress is None
+    assert 0 < bar.count <= checker.simulations  # the simulations after the search are not shown

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 
+from tqdm import tqdm
+
 from lms.core.devices import DeviceSpec
 from lms.core.plan import Plan
 from lms.core.records import Trace
@@ -68,10 +70,18 @@ def plan_greedy(
         return candidates.finish(candidates.plan((), source="planner"), plain)
     minimum_plan, minimum = smallest_plan(candidates, first)
     search = Search(candidates, half=half, max_simulations=max_simulations)
-    found = search.best()
+    # A search of a long trace can take a minute (EfficientNet-B7 at 600 px: 20000 simulations
+    # of 2604 ops); the bar, on a terminal only, shows it under way against its cap.
+    with tqdm(
+        total=max_simulations, desc="planning", unit="sim", leave=False, disable=None
+    ) as candidates.progress:
+        candidates.progress.update(candidates.simulations)
+        found = search.best()
+        if found is not None:
+            _, plan = restart(search, *found, plain.step_s)
+    candidates.progress = None
     if found is None:
         return candidates.finish(*candidates.fewest_gaps(minimum_plan))
-    _, plan = restart(search, *found, plain.step_s)
     plan = candidates.fewest_gaps(plan)[0]
     entries = trace.entries()
     kept = set(range(len(entries))) - set(plan.offload) - set(plan.recompute)

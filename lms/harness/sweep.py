@@ -17,7 +17,7 @@ from lms.analysis import device_spec as lookup_spec
 from lms.analysis import simulate, trace_step
 from lms.core.errors import PlanInfeasibleError, StepFailedError
 from lms.core.units import check_counts, format_bytes, parse_bytes
-from lms.harness.zoo import zoo_model
+from lms.harness.zoo import BatchRejectedError, zoo_model
 from lms.orchestration.split import faster_in_slabs, fit_in_slabs
 from lms.planning import plan_auto
 
@@ -55,12 +55,13 @@ def sweep(
     Without ``start``, the sweep starts at ``step`` and passes over the sizes the model itself
     rejects (a U-Net below its smallest input), up to the first it takes, saying so in one line.
 
-    Returns a JSON-ready dict with ``max_size_without_lms``, ``max_size_with_lms`` and ``points``.
+    Returns a JSON-ready dict with ``max_size_without_lms``, ``max_size_with_lms`` and ``points``;
+    a size the model rejects after one it took ends the sweep, named in ``rejected``.
 
     Raises:
         ValueError: a step or start below 1, no memory, or a batch the model cannot train on.
-        StepFailedError: the model rejects the given ``start``, or every size up to
-            ``max_size`` (or `_FIND_START_TRIES` sizes) when it starts on its own.
+        StepFailedError, BatchRejectedError: the model rejects the given ``start``, or every
+            size up to ``max_size`` (or `_FIND_START_TRIES` sizes) when it starts on its own.
     """
     entry = zoo_model(model)
     entry.check_batch(batch_size)
@@ -73,6 +74,7 @@ def sweep(
     max_plain = max_lms = None
     bar = tqdm(desc=f"sweep {model}", unit="size", disable=not progress)
     rejected: list[int] = []
+    stopped: dict[str, Any] | None = None
     while max_size is None or size <= max_size:
         started = time.perf_counter()
         traced = functools.partial(
@@ -86,13 +88,26 @@ def sweep(
         )
         try:
             trace = traced()
-        except StepFailedError as error:
+        except (StepFailedError, BatchRejectedError) as error:
             # Note: [A sweep finds its own start]
             # Below some size a model cannot run its step (a U-Net pools its input down to one
             # voxel, and its norms need more). Without a given start, those sizes are passed
-            # over up to the first the model takes; a size rejected after that, or a start the
-            # user gave, is an error of its own.
-            if start is not None or points or len(rejected) >= _FIND_START_TRIES:
+            # over up to the first the model takes; a start the user gave is an error of its
+            # own. Above some size a model may refuse again (a ViT built for 224 px, a window
+            # that no longer tiles the input): the sweep ends there with what it found, the
+            # size and the model's reason in its result (``rejected``), and its limits are
+            # then the model's, not the memory's.
+            if points:
+                stopped = {"size": size, "error": _first_line(error)}
+                log.warning(
+                    "[LMS] %s rejects size %d (%s); the sweep ends at %d",
+                    model,
+                    size,
+                    stopped["error"],
+                    points[-1]["size"],
+                )
+                break
+            if start is not None or len(rejected) >= _FIND_START_TRIES:
                 raise
             rejected.append(size)
             if len(rejected) == 1:
@@ -104,7 +119,7 @@ def sweep(
                 "[LMS] %s rejects sizes %s (%s); the sweep starts at %d",
                 model,
                 _span(rejected),
-                first_error.split("\n")[0].split(" (at ")[0][:200],
+                _first_line(first_error),
                 size,
             )
         plain = simulate(trace, None, spec, half=half)
@@ -181,22 +196,29 @@ def sweep(
         "max_size_without_lms": max_plain,
         "max_size_with_lms": max_lms,
         "elements_ratio": ratio,
+        "rejected": stopped,
         "points": points,
     }
     log.info(
-        "[LMS] %s on %s: largest size without LMS %s, with LMS %s (%s the %s)",
+        "[LMS] %s on %s: largest size without LMS %s, with LMS %s (%s the %s)%s",
         model,
         format_bytes(budget),
         max_plain,
         max_lms,
         f"{ratio:.1f}x" if ratio else "n/a",
         entry.unit,
+        f"; the model rejects {stopped['size']}, so these are its limits" if stopped else "",
     )
     return result
 
 
 def _plan(trace: Any, *, spec: Any, budget: int, half: bool, free_held: bool) -> Any:
     return plan_auto(trace, spec, budget, half=half, free_held=free_held)
+
+
+def _first_line(error: BaseException | str) -> str:
+    """The model's error in one line, without where it was raised."""
+    return str(error).removeprefix("lms: ").split("\n")[0].split(" (at ")[0][:200]
 
 
 def _span(sizes: list[int]) -> str:

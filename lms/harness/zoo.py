@@ -25,7 +25,12 @@ from lms.core.extras import require
 
 log = logging.getLogger("lms.harness.zoo")
 
-__all__ = ["ZooModel", "ZOO", "zoo_model", "on_meta", "TinyLM"]
+__all__ = ["BatchRejectedError", "ZooModel", "ZOO", "zoo_model", "on_meta", "TinyLM"]
+
+
+class BatchRejectedError(ValueError):
+    """The model itself rejects a batch of the asked size: its own error is in the message (a
+    ViT built for 224 px given 448, a U-Net given fewer voxels than it pools)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,7 +513,7 @@ def _imported(
         try:
             shape = shape_of(inputs, size)
         except Exception as error:  # the user's model: whatever it raises is reported as theirs
-            raise ValueError(
+            raise BatchRejectedError(
                 f"lms: model={name!r} fails on a batch of shape {list(inputs.shape)}: "
                 f"{type(error).__name__}: {error}; try another size or batch size"
             ) from None

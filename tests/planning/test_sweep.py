@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from lms.cli import main
 from tests.conftest import check_schema
@@ -75,3 +76,38 @@ def test_a_sweep_without_a_start_passes_over_sizes_the_model_rejects(caplog):
     assert "unet3d rejects sizes 16" in caplog.text and "starts at 32" in caplog.text
     with pytest.raises(StepFailedError, match="spatial element"):
         sweep("unet3d", gpu_memory="32GiB", step=16, start=16, max_size=32, progress=False)
+
+
+class _UpTo32(torch.nn.Module):
+    """A net that takes images of at most 32 px, as a ViT takes only its own size."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        if x.shape[-1] > 32:
+            raise ValueError(f"this net takes at most 32 px, not {x.shape[-1]}")
+        return self.conv(x)
+
+
+def up_to_32():
+    return _UpTo32()
+
+
+def test_a_sweep_ends_where_the_model_rejects_a_larger_size(caplog):
+    """Note [A sweep finds its own start]: a size the model refuses after one it took ends the
+    sweep with what it found, and says which and why."""
+    import logging
+
+    from lms.harness.sweep import sweep
+
+    with caplog.at_level(logging.WARNING, logger="lms.harness.sweep"):
+        result = sweep(
+            "tests.planning.test_sweep:up_to_32", gpu_memory="1GiB", step=16, progress=False
+        )
+    assert [p["size"] for p in result["points"]] == [16, 32]
+    assert result["rejected"]["size"] == 48 and "at most 32 px" in result["rejected"]["error"]
+    assert result["max_size_with_lms"] == 32
+    assert "rejects size 48" in caplog.text and "ends at 32" in caplog.text
+    check_schema("sweep", {"lms_version": "x", "torch_version": "y", **result})

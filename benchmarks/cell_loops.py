@@ -12,6 +12,7 @@ C heap in use over each step against the simulated growth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 from typing import Any
@@ -58,11 +59,8 @@ def check(kind: str, share: int, spill_dir: str) -> dict[str, Any]:
 
     def run(ctx: Any = None) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
-        if ctx is None:
+        with ctx if ctx is not None else contextlib.nullcontext():
             loss = _step(model, [x])
-        else:
-            with ctx:
-                loss = _step(model, [x])
         return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
 
     ref = run()

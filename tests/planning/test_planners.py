@@ -67,6 +67,16 @@ def trace_of(model_cls):
     return trace_step(model_cls, lambda: [torch.randn(2048, 256)], device="cpu")
 
 
+def _normed_blocks_trace(count):
+    """The trace of ``count`` blocks of Linear, BatchNorm and Tanh over a batch of 2048."""
+
+    def model():
+        blocks = [(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Tanh()) for _ in range(count)]
+        return nn.Sequential(*[m for block in blocks for m in block])
+
+    return trace_step(model, lambda: [torch.randn(2048, 256)], device="cpu")
+
+
 def oracle(trace, spec, budget):
     """The fastest fitting plan over every subset, prefetch distance and sync mode."""
     n = len(trace.entries())
@@ -166,11 +176,7 @@ def test_the_checker_simulates_each_plan_once():
 
 def test_restarts_keep_each_kind_of_storage_the_plan_moves():
     # Note: [Restarts from the plan found]
-    def model():
-        blocks = [(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Tanh()) for _ in range(3)]
-        return nn.Sequential(*[m for block in blocks for m in block])
-
-    trace = trace_step(model, lambda: [torch.randn(2048, 256)], device="cpu")
+    trace = _normed_blocks_trace(3)
     entries = trace.entries()
 
     def made_by(i):
@@ -477,11 +483,7 @@ def test_only_the_fastest_prefixes_are_extended(monkeypatch, fraction):
     grown, in fewer simulations."""
     from lms.planning.greedy import search
 
-    def model():
-        blocks = [(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Tanh()) for _ in range(6)]
-        return nn.Sequential(*[m for block in blocks for m in block])
-
-    trace = trace_step(model, lambda: [torch.randn(2048, 256)], device="cpu")
+    trace = _normed_blocks_trace(6)
     spec = small_spec()
     budget = int(simulate(trace, None, spec).peak_bytes * fraction)
     grown: list[int] = []
@@ -507,11 +509,7 @@ def test_searches_far_behind_the_fastest_are_not_refined(monkeypatch):
     times the fastest is not refined, though it is its starting set's fastest."""
     from lms.planning.greedy import search
 
-    def model():
-        blocks = [(nn.Linear(256, 256), nn.BatchNorm1d(256), nn.Tanh()) for _ in range(6)]
-        return nn.Sequential(*[m for block in blocks for m in block])
-
-    trace = trace_step(model, lambda: [torch.randn(2048, 256)], device="cpu")
+    trace = _normed_blocks_trace(6)
     spec = small_spec()
     budget = int(simulate(trace, None, spec).peak_bytes * 0.6)
     started: list[float] = []

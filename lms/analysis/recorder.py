@@ -518,8 +518,14 @@ def _grouped_mm_on_cpu(
 class CpuKernelShapes(TorchDispatchMode):
     """Under fake tensors (entered within their mode), the ops whose fake kernel refuses what the
     CPU's takes are given outputs by the CPU's rules, on the CPU or the meta device (Note
-    [Grouped products the CPU takes in single precision]): for a model probed for its output's
-    shape, as the recorder does for a traced step."""
+    [Grouped products the CPU takes in single precision]), and with ``values``, an op that reads
+    a value (a layer dropped at random: ``torch.rand([]) < p``) is answered from the real ones
+    where it can be (Note [A value the step reads is computed for real]): for a model probed for
+    its output's shape, as the recorder does for a traced step."""
+
+    def __init__(self, values: Values | None = None) -> None:
+        super().__init__()
+        self.values = values
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         kwargs = kwargs or {}
@@ -527,6 +533,8 @@ class CpuKernelShapes(TorchDispatchMode):
             out = _grouped_mm_on_cpu(args, kwargs, devices=("cpu", "meta"))
             if out is not None:
                 return out
+        if self.values is not None:
+            return self.values.call(func, args, kwargs)
         return func(*args, **kwargs)
 
 

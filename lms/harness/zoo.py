@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from lms.analysis.recorder import CpuKernelShapes
 from lms.analysis.trace import meta_failures_told_once, primary_output
+from lms.analysis.values import Values
 from lms.core.extras import require
 
 log = logging.getLogger("lms.harness.zoo")
@@ -397,10 +398,12 @@ def _torchvision_builder(name: str) -> Callable[[], torch.nn.Module]:
 
 def on_meta(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
     """The model ``build`` makes, its tensors on the meta device: built there, or, where its
-    code reads a tensor's value (SwinUNETR's drop rates), built for real, then moved."""
+    code reads a tensor's value (SwinUNETR's drop rates), built for real, then moved. A tensor
+    made by a constructor that ignores the default device (``torch.Tensor(n)``: wav2vec 2.0's
+    mask embedding) is moved there too."""
     try:
         with torch.device("meta"):
-            return build()
+            built = build()
     except Exception:  # the real build says what is wrong, if anything is
         built = build()
     return built.to("meta") if isinstance(built, torch.nn.Module) else built
@@ -452,13 +455,25 @@ def _imported(
     # Note [An encoder-decoder model learns from its labels]
     seq2seq = bool(getattr(getattr(probe, "config", None), "is_encoder_decoder", False))
 
+    # Note [A waveform without its channel]
+    # A model of raw audio (wav2vec 2.0, HuBERT) takes a batch of waveforms, [batch, samples],
+    # and adds the one channel of its first convolution itself: a batch with that channel
+    # already there fails in the convolution. Where a one-channel 1D convolution comes first
+    # and the batch with the channel fails, the batch without it is tried, and kept if it runs.
+    waveform = [False]  # whether the batch drops that channel, once a probe has found it must
+
     def inputs_of(size: int, batch: int) -> torch.Tensor:
         if isinstance(first, torch.nn.Embedding):
             return torch.randint(0, first.num_embeddings, (batch, size))
         assert isinstance(first, torch.nn.modules.conv._ConvNd)
         if frames is not None:
             return torch.randn(batch, first.in_channels, frames, size, size)
+        if waveform[0]:
+            return torch.randn(batch, size)
         return torch.randn(batch, first.in_channels, *[size] * dims)
+
+    def may_be_waveform() -> bool:
+        return isinstance(first, torch.nn.Conv1d) and first.in_channels == 1 and not waveform[0]
 
     shapes: dict[tuple[tuple[int, ...], int], torch.Size] = {}  # `shape_of`'s answers
 
@@ -482,7 +497,7 @@ def _imported(
             FakeTensorMode(allow_non_fake_inputs=True),
             no_grad(),
             meta_failures_told_once(),
-            CpuKernelShapes(),
+            CpuKernelShapes(Values()),
         ):
             meta = torch.empty_like(inputs, device="meta")
             decoded = torch.zeros(len(inputs), size, dtype=torch.long, device="meta")
@@ -513,10 +528,22 @@ def _imported(
         try:
             shape = shape_of(inputs, size)
         except Exception as error:  # the user's model: whatever it raises is reported as theirs
+            if may_be_waveform():
+                try:
+                    shape = shape_of(inputs[:, 0], size)
+                except Exception:  # not a waveform either: the first failure is the model's
+                    pass
+                else:
+                    waveform[0] = True
+                    return _targets(inputs_of(size, batch), shape)
             raise BatchRejectedError(
                 f"lms: model={name!r} fails on a batch of shape {list(inputs.shape)}: "
                 f"{type(error).__name__}: {error}; try another size or batch size"
             ) from None
+        return _targets(inputs, shape)
+
+    def _targets(inputs: torch.Tensor, shape: torch.Size) -> Sequence[torch.Tensor]:
+        batch = len(inputs)
         if (dims == 0 or seq2seq) and len(shape) == 3:  # a class a token, on the last dim
             classes, per = shape[2], (batch, shape[1])
         else:

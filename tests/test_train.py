@@ -330,6 +330,20 @@ def tiny_bart():
     return transformers.BartForConditionalGeneration(config)
 
 
+def tiny_whisper():
+    """A Hugging Face encoder-decoder model of speech: spectrogram frames in (exactly twice its
+    source positions), tokens out, at most its target positions."""
+    import transformers
+
+    config = transformers.WhisperConfig(
+        vocab_size=40, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_mel_bins=4,
+        max_source_positions=6, max_target_positions=8, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None,
+    )  # fmt: skip
+    return transformers.WhisperForConditionalGeneration(config)
+
+
 @pytest.mark.parametrize(
     "builder, shapes",
     [
@@ -341,6 +355,7 @@ def tiny_bart():
         ("token_classifier", [[1, 12], [1]]),
         ("tiny_llama", [[1, 12], [1, 12]]),
         ("tiny_bart", [[1, 12], [1, 12]]),
+        ("tiny_whisper", [[1, 4, 12], [1, 8]]),
     ],
 )
 def test_an_imported_builder_is_fed_what_its_first_convolution_takes(builder, shapes, tmp_path):

@@ -177,7 +177,9 @@ def _token_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.
 # A Hugging Face encoder-decoder model (T5, BART) runs its decoder on tokens of its own, which it
 # makes from the labels it is given (shifted right), as its users train it; given the inputs alone
 # it has none and raises. Its batch is then the inputs and a target token a position, of the
-# decoder's vocabulary, and its step is its own loss over them.
+# decoder's vocabulary, and its step is its own loss over them. A model of speech (Whisper)
+# encodes frames of a spectrogram, whose count says nothing of how many tokens its decoder
+# writes: its labels are as many tokens as its decoder's positions allow, at most that count.
 def _labelled_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
     """An encoder-decoder model's step: its own loss, given the targets as its labels (Note [An
     encoder-decoder model learns from its labels])."""
@@ -453,7 +455,15 @@ def _imported(
         )
     dims = next(dims for kind, dims in _INPUTS.items() if isinstance(first, kind))
     # Note [An encoder-decoder model learns from its labels]
-    seq2seq = bool(getattr(getattr(probe, "config", None), "is_encoder_decoder", False))
+    config = getattr(probe, "config", None)
+    seq2seq = bool(getattr(config, "is_encoder_decoder", False))
+    positions = getattr(config, "max_target_positions", None) or getattr(
+        config, "max_position_embeddings", None
+    )
+
+    def decoded_length(size: int) -> int:
+        """How many tokens an encoder-decoder model's labels hold, at ``size``."""
+        return min(size, positions) if dims and isinstance(positions, int) else size
 
     # Note [A waveform without its channel]
     # A model of raw audio (wav2vec 2.0, HuBERT) takes a batch of waveforms, [batch, samples],
@@ -500,7 +510,9 @@ def _imported(
             CpuKernelShapes(Values()),
         ):
             meta = torch.empty_like(inputs, device="meta")
-            decoded = torch.zeros(len(inputs), size, dtype=torch.long, device="meta")
+            decoded = torch.zeros(
+                len(inputs), decoded_length(size), dtype=torch.long, device="meta"
+            )
             return primary_output(
                 probe(meta, decoder_input_ids=decoded) if seq2seq else probe(meta)
             ).shape

@@ -19,6 +19,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import torch
 
@@ -66,6 +67,19 @@ print(json.dumps({"steps": rows, "peak_resident_growth_bytes": whole.rss_growth_
 """
 
 
+def write_runs(path: str, model: str, budget: str, runs: dict[str, Any]) -> None:
+    """Write a benchmark's runs, each in a process of its own, as JSON with the machine."""
+    result = {
+        "model": model,
+        "budget": budget,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "torch": torch.__version__,
+        "runs": runs,
+    }
+    with open(path, "w") as handle:
+        json.dump(result, handle, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cpu_resident.json")
@@ -81,15 +95,7 @@ def main() -> None:
                 check=True,
             )
         runs[f"cpu_resident_{setting}"] = json.loads(done.stdout.strip().splitlines()[-1])
-    result = {
-        "model": f"resnet50 batch {BATCH} {SIZE}px, SGD momentum, disk tier",
-        "budget": BUDGET,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "torch": torch.__version__,
-        "runs": runs,
-    }
-    with open(args.out, "w") as handle:
-        json.dump(result, handle, indent=1)
+    write_runs(args.out, f"resnet50 batch {BATCH} {SIZE}px, SGD momentum, disk tier", BUDGET, runs)
     for name, run in runs.items():
         steady = run["steps"][1:]
         print(

@@ -167,9 +167,26 @@ def tune_step(
                 refuse=True,
             )
             if trace.compiled:
-                log.info(
-                    "[LMS] The model or the step is compiled: its plan recomputes nothing, since "
-                    "a replay would run it uncompiled (Note [Compiled models are not replayed])"
+                # Note: [A compiled graph saves when it ends]
+                # The trace runs compiled code eagerly, so the plan counts the tensors eager
+                # autograd saves, each offloaded as the op that saves it ends. A graph compiled
+                # by inductor saves tensors of its partitioner's choosing, all when the graph
+                # ends: they are in memory together until then, whatever the plan. A step
+                # follows its plan up to the first save that differs, then the budget's own
+                # policy, which moves what each graph saved once it ends. So a model compiled
+                # whole holds all of forward's saved tensors at once, and one compiled block by
+                # block one block's. Measured: benchmarks/results/README.md, "Compiled models
+                # under a budget". Nor does the plan recompute (Note [Compiled models are not
+                # replayed]).
+                log.warning(
+                    "[LMS] The model or the step is compiled: the plan counts the tensors eager "
+                    "autograd saves, and recomputes none (a replay would run them uncompiled); "
+                    "a compiled graph saves tensors of its own choosing when it ends, all of "
+                    "them in memory together until then, and a step that saves others than the "
+                    "plan's follows the budget's own policy from there, which cannot move what "
+                    "a graph holds while it runs. Compile the model's blocks one by one "
+                    "(block.compile()) rather than the whole model, so that each graph holds "
+                    "little at once"
                 )
             options = {"free_held": True} if free_held else {}
             if trace.slabs:  # only where slabs were allowed

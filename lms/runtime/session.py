@@ -639,6 +639,8 @@ class Session:
         self.stats.peak_resident_saved_bytes = max(
             self.stats.peak_resident_saved_bytes, step.resident_bytes
         )
+        if not self._follow.following(step):
+            step.policy_peak_bytes = max(step.policy_peak_bytes, step.resident_bytes)
         return entry
 
     def _note_module(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
@@ -956,7 +958,13 @@ class Session:
             format_bytes(max(allowance, 0)),
         )
         floor = budget - allowance  # what the step started from, and the running op's room
-        held = self.stats.peak_resident_saved_bytes
+        # Note: [A step that left its plan answers for the rest]
+        # A step that followed its plan up to a save that differs (a compiled graph saves other
+        # tensors than the eager step the plan counts) kept until then what the plan keeps,
+        # within the budget as simulated, and beyond the policy's own allowance, which reserves
+        # room for the largest op that a plan's simulation knows exactly. Only what it held on
+        # the budget's own policy, from that save on, says whether that policy held the budget.
+        held = step.policy_peak_bytes
         if allowance < 0 or held > allowance:
             log.warning(
                 "[LMS] The budget of %s did not hold this step without a plan: it needs at "

@@ -190,6 +190,9 @@ class Step:
         self.first_use: dict[int, int] = {}
         self.resident: collections.deque[Entry] = collections.deque()
         self.resident_bytes = 0
+        self.policy_peak_bytes = 0
+        """The most saved bytes resident after a save while the step followed the budget's own
+        policy (without a plan, or once it diverged from one)."""
         self.largest_bytes = max(record.nbytes, default=0) if record else 0
         self.offload_set: set[int] | None = None
         self.refetch_set: set[int] | None = None

@@ -384,7 +384,9 @@ def _conv_net():
 # serial: which plan wins rests on this CPU's rates, measured while the test runs
 @pytest.mark.serial
 @pytest.mark.parametrize("where", ["model", "forward", "step", "function"])
-def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(where, spill_dir, monkeypatch):
+def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(
+    where, spill_dir, monkeypatch, caplog
+):
     import dataclasses
 
     import torch._dynamo
@@ -429,7 +431,11 @@ def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(where, spil
             compiled_step = torch.compile(step)
         ref = run(model, compiled_step)
         offload = lms.LMS(budget="4MiB", tier="disk", spill_dir=spill_dir, model=model)
-        plans.append(offload.tune(model, [x], compiled_step, cache_dir=spill_dir))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lms"):
+            plans.append(offload.tune(model, [x], compiled_step, cache_dir=spill_dir))
+        # Note [A compiled graph saves when it ends]: said before the first step
+        assert ("The model or the step is compiled" in caplog.text) == compiled
         assert_bitwise(ref, run(model, compiled_step))  # tuning left the compiled code as it was
         for _ in range(2):
             assert_bitwise(ref, run(model, compiled_step, offload))

@@ -1,5 +1,6 @@
 """`lms train` and `lms bench`: real loops, the peers, and the summary they report."""
 
+import contextlib
 import json
 import tempfile
 import warnings
@@ -744,3 +745,68 @@ def test_the_compile_peer_compiles_its_model_under_the_activation_budget(monkeyp
     assert seen == [COMPILE_BUDGET] * 2 and before != COMPILE_BUDGET
     assert functorch_config.activation_memory_budget == before  # restored
     assert result.method == "compile_budget" and result.step_s > 0
+
+
+def test_a_zoo_step_under_amp_leaves_autocast_casts_to_autograd(spill_dir):
+    """Note [The zoo's steps let go of autocast's casts]: traced under autocast, backward
+    included, the weights' bfloat16 casts are not held by the step's code, so a plan may move
+    them; the step with LMS stays bitwise that without."""
+    import lms
+
+    entry = zoo_model("tests.test_train:tiny_llama")
+    torch.manual_seed(0)
+    model = entry.build()
+    batch = entry.make_batch(64, 4)
+    assert entry.step_fn is not None
+    trace = trace_step(
+        model, batch, entry.step_fn, device="cpu", autocast=torch.bfloat16, min_offload_bytes=0
+    )
+    params = {s.id for s in trace.storages if s.kind == "param"}
+    casts = {
+        s.id
+        for s in trace.storages
+        if s.alloc_op >= 0
+        and trace.ops[s.alloc_op].name == "aten._to_copy.default"
+        and params & set(trace.ops[s.alloc_op].inputs)
+    }
+    saved = {storage for storage, _, _ in trace.entries()}
+    assert casts & saved  # the matrix products save the casts
+    assert not casts & trace.held_by_code
+
+    def run(offload: lms.LMS | None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with offload or contextlib.nullcontext(), torch.autocast("cpu", dtype=torch.bfloat16):
+            entry.step_fn(model, batch)
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = run(None)
+    offload = lms.LMS(budget="70%", min_offload_bytes=0, tier="disk", spill_dir=spill_dir)
+    offload.tune(model, batch, entry.step_fn, autocast=torch.bfloat16)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(plain, run(offload), strict=True))
+    assert offload.stats.offloaded_tensors + offload.stats.recomputed_tensors > 0
+    assert offload.stats.diverged_steps == 0
+
+
+def test_autocast_casts_held_through_backward_are_named_with_the_way_out():
+    """Note [Autocast keeps its casts of the weights]: a step whose backward runs inside autocast
+    holds the weights' casts, and the report says they are autocast's and what lets them move."""
+    import lms
+
+    def step(model: torch.nn.Module, batch: list[torch.Tensor]) -> torch.Tensor:
+        loss = model(batch[0]).float().square().mean()
+        loss.backward()  # inside the caller's autocast, its cache still full
+        return loss
+
+    def model() -> torch.nn.Module:
+        return torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+
+    report = lms.analyze(
+        model, [torch.randn(256, 512)], step, gpu_memory="60%", device_spec="h100",
+        autocast=torch.bfloat16, min_offload_bytes=0,
+    )  # fmt: skip
+    said = "\n".join(report.lines())
+    assert "are casts of the weights that autocast keeps until its block ends" in said
+    # three 512x512 bfloat16 casts: the first layer's input needs no gradient, so its product
+    # saves no weight
+    assert "1.50 MiB of what the code holds" in said

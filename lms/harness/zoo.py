@@ -146,11 +146,26 @@ class TinyLM(torch.nn.Module):
         return self.head(self.norm(hidden))
 
 
+def _backward(loss: torch.Tensor) -> None:
+    """``loss.backward()``, with autocast's cache emptied first.
+
+    Note: [The zoo's steps let go of autocast's casts]
+    With ``--amp`` a command runs each step, backward included, under autocast, which keeps its
+    casts of the weights until its block ends (Note [Autocast keeps its casts of the weights] in
+    `lms/report/text.py`): every weight's bfloat16 copy would stay through backward, held by the
+    cache where only autograd needs it, and no plan could move it. The step's own code empties
+    the cache once the loss is known, so autograd alone holds them, as where backward runs after
+    the autocast block. Backward does not read the cache: its ops run in the dtypes forward used.
+    """
+    torch.clear_autocast_cache()
+    loss.backward()
+
+
 def _lm_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
     tokens, targets = batch
     logits = primary_output(model(tokens))
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-    loss.backward()
+    _backward(loss)
     return loss
 
 
@@ -161,7 +176,7 @@ def _classify_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> tor
         loss = torch.nn.functional.mse_loss(out.float(), targets)
     else:
         loss = torch.nn.functional.cross_entropy(out.float(), targets)
-    loss.backward()
+    _backward(loss)
     return loss
 
 
@@ -185,7 +200,7 @@ def _labelled_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> tor
     encoder-decoder model learns from its labels])."""
     inputs, targets = batch
     loss = model(inputs, labels=targets).loss
-    loss.backward()
+    _backward(loss)
     return loss
 
 
@@ -239,7 +254,7 @@ def _hf_tokens(vocab: int) -> Callable[[int, int], Sequence[torch.Tensor]]:
 def _hf_lm_step(model: torch.nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
     """A Hugging Face causal LM's step: its own loss over the batch's next tokens."""
     loss = model(input_ids=batch[0], labels=batch[0]).loss
-    loss.backward()
+    _backward(loss)
     return loss
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from lms.analysis.simulate import SimResult
 from lms.core.devices import LINK_MARGIN, DeviceSpec
 from lms.core.plan import Plan
@@ -72,6 +74,14 @@ def info_lines(
             f"[LMS] {len(held)} saved storages ({format_bytes(sum(held))}) stay on the device: "
             f"the step's code holds them into backward {holders}, so moving them would free "
             "nothing"
+        )
+    casts = _weight_casts(trace, trace.held_by_code)
+    if casts:
+        lines.append(
+            f"[LMS] {format_bytes(casts)} of what the code holds are casts of the weights that "
+            "autocast keeps until its block ends (its cache), as backward runs inside it: run "
+            "only forward and the loss under autocast, as PyTorch advises, for a plan that may "
+            "move them"
         )
     if plan is None or planned is None:
         return lines
@@ -152,3 +162,27 @@ def _copy_costs(result: SimResult) -> str:
     if result.copy_compute_s:
         words += f", {result.copy_compute_s * 1e3:.1f} ms of compute lost to them"
     return words
+
+
+# Note: [Autocast keeps its casts of the weights]
+# Under autocast a weight is cast to the lower precision once, at its first use, and the cast is
+# kept in autocast's cache until the outermost autocast block ends; a matrix product saves that
+# cast for backward. With backward inside the block the cache still holds each cast when backward
+# reads it, so the trace finds the code holding it (`Trace.held_by_code`) and no plan can free it
+# by moving it: a copy of every weight that a product saves, in the lower precision. With backward
+# after the block, as PyTorch advises, only autograd holds them.
+def _weight_casts(trace: Trace, held: Iterable[int]) -> int:
+    """Bytes of the storages in ``held`` that casts of the weights made (Note [Autocast keeps
+    its casts of the weights])."""
+    records = {record.id: record for record in trace.storages}
+    total = 0
+    for storage in held:
+        record = records.get(storage)
+        if record is None or record.alloc_op < 0:
+            continue
+        op = trace.ops[record.alloc_op]
+        if op.name == "aten._to_copy.default" and any(
+            records[i].kind == "param" for i in op.inputs if i in records
+        ):
+            total += record.nbytes
+    return total

@@ -810,3 +810,30 @@ def test_autocast_casts_held_through_backward_are_named_with_the_way_out():
     # three 512x512 bfloat16 casts: the first layer's input needs no gradient, so its product
     # saves no weight
     assert "1.50 MiB of what the code holds" in said
+
+
+def test_a_bench_runs_lms_on_the_heap_the_peers_run_on(monkeypatch, capsys):
+    """Note [A bench runs every method on the same heap]: a bench's LMS run leaves glibc's
+    allocator setting as it is (``cpu_resident=False``), as every other method runs."""
+    import sys
+
+    import lms.harness.train as harness
+    from lms.harness.bench import child_main
+
+    made = []
+    real = harness.LMS
+
+    def recording(**settings):  # type: ignore[no-untyped-def]
+        made.append(settings)
+        return real(**settings)
+
+    monkeypatch.setattr(harness, "LMS", recording)
+    run = {
+        "model": "tests.test_train:volume_segmenter", "size": 12, "batch_size": 1, "steps": 1,
+        "method": "lms", "budget": 2**30, "amp": False,
+    }  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["bench", json.dumps(run)])
+    child_main()
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["ok"], result
+    assert [settings["cpu_resident"] for settings in made] == [False]

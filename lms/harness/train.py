@@ -152,6 +152,7 @@ def train(
     slabs: bool = True,
     memory_snapshot: str | None = None,
     record: str | None = None,
+    cpu_resident: bool = True,
 ) -> TrainResult:
     """Train ``steps`` steps of a zoo model and measure them. With method "lms", tensors saved
     inside the submodules named in ``keep_in`` ("layer4") stay on the device (`no_offload_in`);
@@ -161,6 +162,7 @@ def train(
     opens it, as it opens the simulator's `lms.export_memory_viz`). ``record``: a file for the
     step record of every step (`lms.LMS.record_steps`; `lms replay` reads it), with method
     "lms" and a budget, or method "none" (its trace and op times taken as a plan's would be).
+    ``cpu_resident``: `lms.LMSConfig`'s, with method "lms" on a CPU.
 
     Raises:
         PlanInfeasibleError: with method "lms", before training, when the budget cannot fit.
@@ -206,6 +208,7 @@ def train(
             model=model,
             free_held=free_held,
             slabs=slabs,
+            cpu_resident=cpu_resident,
         )
         if budget is not None:
             offload.tune(model, batch, step_fn, autocast=autocast)

@@ -246,6 +246,52 @@ def _masks_of_ones_known(
             setattr(masking, name, check)
 
 
+# Note: [Packed sequences are found from the positions' values]
+# Without an attention mask or a cache (a training step given tokens alone), Hugging Face looks
+# for several sequences packed in one row (`find_packed_sequence_indices`): where the position
+# ids restart, and, where none does, it builds no mask and lets SDPA mask causally. It reads the
+# positions' values for that, unless it is traced, and it counts fake tensors as traced: it then
+# keeps the packing and builds a mask, and the traced step saves a mask and runs another kernel
+# than the real one (a Llama under the Trainer left its plan at the first layer). Position ids
+# come from the batch or from ``arange``, whose values the trace has (Note [A value the step reads
+# is computed for real]): so while a Hugging Face model is traced, that check is made with the
+# fake tensors counted as untraced, and the read goes to the real values. Where they cannot be
+# had, the check runs as before and keeps the packing.
+_PACKING = "find_packed_sequence_indices"
+
+
+@contextlib.contextmanager
+def _packing_read(hugging_face: bool) -> Iterator[None]:
+    """While a Hugging Face model is traced, its search for packed sequences reads the position
+    ids' real values (Note [Packed sequences are found from the positions' values])."""
+    masking: Any = sys.modules.get("transformers.masking_utils") if hugging_face else None
+    find = getattr(masking, _PACKING, None)
+    traced = getattr(masking, "is_tracing", None)
+    if find is None or traced is None:
+        yield
+        return
+
+    def untraced(tensor: Any = None) -> bool:
+        return bool(traced(None))  # compiling, exporting or capturing, but a fake tensor is not
+
+    @functools.wraps(find)
+    def read(*args: Any, **kwargs: Any) -> Any:
+        masking.is_tracing = untraced
+        try:
+            return find(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            pass  # the positions' values are not to be had
+        finally:
+            masking.is_tracing = traced
+        return find(*args, **kwargs)
+
+    setattr(masking, _PACKING, read)
+    try:
+        yield
+    finally:
+        setattr(masking, _PACKING, find)
+
+
 def _as(kind: type, items: dict[str, Any]) -> Any:
     """``items`` as a mapping of ``kind``, or as the dict they are where ``kind`` is not built
     from one."""
@@ -710,6 +756,7 @@ def trace_step(
                 hooks,
                 _eager() as watch,
                 _masks_of_ones_known(checks, given_leaves, leaves),
+                _packing_read(hugging_face),
                 _Padded(),
                 meta_failures_told_once(),
             ):

@@ -53,7 +53,17 @@ def _lengths():
     return rows
 
 
-def _trainer(folder, dataset=None, collator=None):
+def _llama():
+    """A Llama, whose masks look for packed sequences where a row comes without one."""
+    config = transformers.LlamaConfig(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _trainer(folder, dataset=None, collator=None, model=_model):
     args = transformers.TrainingArguments(
         output_dir=str(folder),
         use_cpu=True,
@@ -68,27 +78,27 @@ def _trainer(folder, dataset=None, collator=None):
         seed=0,
     )
     return transformers.Trainer(
-        model=_model(), args=args, train_dataset=dataset or _data(), data_collator=collator
+        model=model(), args=args, train_dataset=dataset or _data(), data_collator=collator
     )
 
 
-def _budget():
+def _budget(model=_model):
     batch = transformers.default_data_collator(_data()[:2])
 
     def step(model, inputs):
         model(**inputs).loss.backward()
 
-    traced = trace_step(_model(), batch, step, device="cpu", min_offload_bytes=0)
+    traced = trace_step(model(), batch, step, device="cpu", min_offload_bytes=0)
     return midway_budget(traced, device_spec("cpu"))
 
 
-def _both_trained(tmp_path, dataset=_data, collator=None):
+def _both_trained(tmp_path, dataset=_data, collator=None, model=_model):
     """A plain Trainer and one under `offload_trainer` at `_budget`, each trained; the second's
     LMS object and spill folder."""
-    budget = _budget()  # before the trainers: Trainer seeds the generator dropout draws from
-    plain = _trainer(tmp_path / "plain", dataset(), collator)
+    budget = _budget(model)  # before the trainers: Trainer seeds the generator dropout draws from
+    plain = _trainer(tmp_path / "plain", dataset(), collator, model)
     plain.train()
-    trainer = _trainer(tmp_path / "lms", dataset(), collator)
+    trainer = _trainer(tmp_path / "lms", dataset(), collator, model)
     spill = tmp_path / "spill"
     spill.mkdir()
     offload = offload_trainer(
@@ -113,6 +123,24 @@ def test_each_micro_batch_follows_its_tuned_plan_bitwise(tmp_path):
         assert same_bits(a, b)
     offload.close()
     assert spill_files(str(spill)) == [] and hooks_are_gone()
+
+
+def _unmasked():
+    """Rows of tokens alone, no attention mask: the model looks for packed sequences in its
+    position ids."""
+    return [{"input_ids": row["input_ids"], "labels": row["labels"]} for row in _data()]
+
+
+def test_rows_without_a_mask_follow_their_plan_bitwise(tmp_path):
+    """Note [Packed sequences are found from the positions' values]: without a mask or a cache
+    the model searches its position ids for packed sequences; traced, it finds none, as the real
+    step does, and builds no mask."""
+    plain, trainer, offload, _ = _both_trained(tmp_path, _unmasked, model=_llama)
+    assert offload.plan is not None and offload.plan.offload
+    assert offload.stats.diverged_steps == 0
+    for a, b in zip(plain.model.parameters(), trainer.model.parameters(), strict=True):
+        assert same_bits(a, b)
+    offload.close()
 
 
 def test_batches_padded_to_their_longest_row_each_follow_their_shapes_plan(tmp_path, monkeypatch):

@@ -27,7 +27,7 @@ MODES = ("eager", "blocks", "whole")
 
 _CHILD = """
 import json, sys, time, torch, torchvision, lms
-from lms.harness.memory import PeakMemory
+from lms.harness.memory import PeakMemory, tensors_bytes
 mode, size, batch, share, steps, spill = sys.argv[1], *map(int, sys.argv[2:4]), *sys.argv[4:]
 steps = int(steps)
 torch.manual_seed(0)
@@ -47,7 +47,7 @@ def step(m, b):
 
 offload = lms.LMS(budget=share, tier="disk", spill_dir=spill)
 plan = offload.tune(model, [x, y], step, cache_dir=None)
-start = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers(), x, y])
+start = tensors_bytes([*model.parameters(), *model.buffers(), x, y])
 rows = []
 for _ in range(steps):
     began = time.perf_counter()

@@ -480,7 +480,7 @@ def _imported(
         """How many tokens an encoder-decoder model's labels hold, at ``size``."""
         return min(size, positions) if dims and isinstance(positions, int) else size
 
-    # Note [A waveform without its channel]
+    # Note: [A waveform without its channel]
     # A model of raw audio (wav2vec 2.0, HuBERT) takes a batch of waveforms, [batch, samples],
     # and adds the one channel of its first convolution itself: a batch with that channel
     # already there fails in the convolution. Where a one-channel 1D convolution comes first

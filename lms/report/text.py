@@ -174,15 +174,15 @@ def _copy_costs(result: SimResult) -> str:
 def _weight_casts(trace: Trace, held: Iterable[int]) -> int:
     """Bytes of the storages in ``held`` that casts of the weights made (Note [Autocast keeps
     its casts of the weights])."""
-    records = {record.id: record for record in trace.storages}
+    storages = trace.storages  # by id
     total = 0
     for storage in held:
-        record = records.get(storage)
-        if record is None or record.alloc_op < 0:
+        record = storages[storage]
+        if record.alloc_op < 0:
             continue
         op = trace.ops[record.alloc_op]
         if op.name == "aten._to_copy.default" and any(
-            records[i].kind == "param" for i in op.inputs if i in records
+            storages[i].kind == "param" for i in op.inputs
         ):
             total += record.nbytes
     return total

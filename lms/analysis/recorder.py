@@ -122,12 +122,18 @@ class Recorder(TorchDispatchMode):
         # those behind its outputs numbered after every node behind its inputs; inner modules
         # exit first and claim theirs. Backward then names an op by the node that runs it,
         # where module hooks cannot see a module whose inputs need no gradient (an embedding).
+        # The walk goes on through an inner module's nodes without renaming them: behind them
+        # lie this module's own ops from before it called the inner one (an attention's
+        # product of queries and keys behind its output projection).
         todo = [node for node in _nodes(output) if _sequence_nr(node) > mark]
+        seen: set[int] = set()
         while todo:
             node = todo.pop()
-            if "lms_module" in node.metadata:
+            number = _sequence_nr(node)
+            if number in seen:
                 continue
-            node.metadata["lms_module"] = name
+            seen.add(number)
+            node.metadata.setdefault("lms_module", name)
             for after, _ in node.next_functions:
                 if after is not None and mark < _sequence_nr(after) < _NO_NUMBER:
                     todo.append(after)

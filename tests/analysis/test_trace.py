@@ -266,6 +266,26 @@ def test_backward_ops_are_named_by_the_module_that_made_their_node():
     )
 
 
+def test_a_modules_own_ops_before_an_inner_module_are_named_by_it_in_backward():
+    # The softmax runs in the attention's own forward before its output projection: backward
+    # reaches it through the projection's nodes, and it is still the attention's.
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qk = torch.nn.Linear(16, 32)
+            self.out = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            q, k = self.qk(x).chunk(2, dim=-1)
+            weights = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+            return self.out(weights @ x)
+
+    trace = trace_step(Attention, lambda: [torch.randn(2, 8, 16)])
+    backward = {op.name: op.module for op in trace.ops if op.phase == "backward"}
+    assert backward["aten._softmax_backward_data.default"] == "Attention"
+    assert backward["aten.bmm.default"] == "Attention"
+
+
 def test_a_step_whose_shapes_depend_on_the_data_cannot_be_traced():
     class Masked(torch.nn.Module):
         def __init__(self):

@@ -236,6 +236,25 @@ def test_a_max_poolings_backward_is_timed_on_the_indices_its_forward_picks(dims)
     assert args[-1][0, 0].unique().numel() == args[-1][0, 0].numel()
 
 
+def test_an_lstm_backward_is_timed_on_the_workspace_its_forward_makes():
+    """The trace records oneDNN's LSTM workspace with no bytes; made up so, the backward read
+    past it and the timing process died on it (a segmentation fault), leaving it to the rates."""
+
+    class Recurrent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lstm = torch.nn.LSTM(16, 32, batch_first=True)
+
+        def forward(self, x):
+            return self.lstm(x)[0]
+
+    trace = trace_step(Recurrent, lambda: (torch.randn(4, 50, 16),), device=CPU)
+    [call] = [c for c in trace.calls if str(c.op) == "aten.mkldnn_rnn_layer_backward.default"]
+    job = (str(call.op), call.args, call.kwargs)
+    results = timing._time_in_child([job], CPU, limit_s=30.0)
+    assert results[0] is not None and results[0] > 0, results
+
+
 def test_the_simulator_takes_the_times_for_the_trace_timed_alone():
     trace = _trace(_net())
     other = _trace(_net(), batch=16)

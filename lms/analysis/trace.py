@@ -514,7 +514,10 @@ def _fake_state(model: torch.nn.Module, device: torch.device, values: Values) ->
 # module has) and the lists and dicts they hold, and where one holds a fake tensor after the step,
 # puts back what it held before: a list or dict refilled in place (its holders share it), an
 # attribute made meanwhile dropped. The real step makes its own again, as it did the first time.
-# What holds a fake tensor outside the model (a GradScaler's scale) is refused (`_check_left`).
+# The same holds for the step function's globals and the variables it closes over, where the step
+# binds them anew (a recurrent state carried from step to step, ``state = h.detach()``): a name
+# bound to a fake tensor after the step is bound again to what it was before. What holds a fake
+# tensor elsewhere (a GradScaler's scale) is refused (`_check_left`).
 _EVERY_MODULES = frozenset(vars(torch.nn.Module()))
 """Attributes every module has (its parameters, buffers, submodules, hooks, mode)."""
 
@@ -551,6 +554,47 @@ def _module_caches_kept(model: torch.nn.Module) -> Iterator[None]:
                 else:
                     container.clear()
                     container.update(contents)
+
+
+@contextlib.contextmanager
+def _step_variables_kept(step: Callable[..., Any]) -> Iterator[None]:
+    """Bind again the step function's globals and closed-over variables that the step bound to
+    a fake tensor (Note [A module's cache is put back])."""
+    function: Any = step
+    while isinstance(function, functools.partial):
+        function = function.func
+    function = getattr(function, "__func__", function)  # a bound method's function
+    names = getattr(function, "__globals__", None)
+    cells = getattr(function, "__closure__", None) or ()
+    before = dict(names) if isinstance(names, dict) else {}
+    contents = [_content(cell) for cell in cells]
+    try:
+        yield
+    finally:
+        if isinstance(names, dict):
+            for key in [k for k, v in names.items() if v is not before.get(k, _UNBOUND)]:
+                if _holds_fake(names[key]):
+                    if key in before:
+                        names[key] = before[key]
+                    else:
+                        del names[key]
+        for cell, content in zip(cells, contents, strict=True):
+            now = _content(cell)
+            if now is not content and _holds_fake(now):
+                if content is _UNBOUND:
+                    del cell.cell_contents
+                else:
+                    cell.cell_contents = content
+
+
+_UNBOUND = object()
+
+
+def _content(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a variable not yet bound
+        return _UNBOUND
 
 
 class _MetaFailures(logging.Filter):
@@ -701,6 +745,7 @@ def trace_step(
         _old_objects_frozen(),
         fsdp.hooks_lifted(built),
         caches,
+        _step_variables_kept(step),
         fake_mode,
         torch.device(target),
         fake_state,
@@ -861,28 +906,42 @@ def _check_left(made: list[Any]) -> None:
 
 
 def _holders(tensor: torch.Tensor) -> list[str]:
-    """Where ``tensor`` is held: ``Type.attribute``, or ``Type.table[key]`` for a tensor in a
-    dict attribute (a module's buffers)."""
+    """Where ``tensor`` is held: ``Type.attribute``, ``Type.table[key]`` for a tensor in a dict
+    attribute (a module's buffers), ``module.name`` for a module's global, and ``...[i]`` for a
+    tensor in a tuple or list held so (a recurrent state kept between steps)."""
+    names = _names_of(tensor)
+    for holder in gc.get_referrers(tensor):
+        if isinstance(holder, (tuple, list)):
+            index = next(i for i, value in enumerate(holder) if value is tensor)
+            names += [f"{name}[{index}]" for name in _names_of(holder)]
+    return names
+
+
+def _owner(thing: object) -> str:
+    return thing.__name__ if isinstance(thing, types.ModuleType) else type(thing).__name__
+
+
+def _names_of(thing: object) -> list[str]:
+    """Where ``thing`` is an attribute, or a value in a dict attribute."""
     names = []
-    for table in gc.get_referrers(tensor):
+    for table in gc.get_referrers(thing):
         if not isinstance(table, dict):  # an object whose attributes are not a dict of their own
             attributes = getattr(table, "__dict__", None)
             if isinstance(attributes, dict):
-                owner = type(table).__name__
-                names += [f"{owner}.{key}" for key, value in attributes.items() if value is tensor]
+                names += [
+                    f"{_owner(table)}.{key}" for key, value in attributes.items() if value is thing
+                ]
             continue
-        keys = [str(key) for key, value in table.items() if value is tensor]
+        keys = [str(key) for key, value in table.items() if value is thing]
         for owner in gc.get_referrers(table):
             if getattr(owner, "__dict__", None) is table:
-                names += [f"{type(owner).__name__}.{key}" for key in keys]
+                names += [f"{_owner(owner)}.{key}" for key in keys]
             elif isinstance(owner, dict):
                 outer = [str(k) for k, v in owner.items() if v is table]
                 for holder in gc.get_referrers(owner):
                     if getattr(holder, "__dict__", None) is owner:
                         names += [
-                            f"{type(holder).__name__}.{name}[{key!r}]"
-                            for name in outer
-                            for key in keys
+                            f"{_owner(holder)}.{name}[{key!r}]" for name in outer for key in keys
                         ]
     return names
 

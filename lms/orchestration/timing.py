@@ -204,11 +204,43 @@ one place, and a card adds them there one at a time: a 3D U-Net's first pooling 
 timed on an H200 at 110.6 ms where its step ran it in 1.8 ms."""
 
 
+def _lstm_workspace(named: dict[str, Any]) -> torch.Tensor:
+    """The workspace oneDNN's LSTM layer makes for the backward call ``named`` (with gradients
+    on: without, it makes none)."""
+    with torch.enable_grad():
+        return _lstm_layer(named)
+
+
+def _lstm_layer(named: dict[str, Any]) -> torch.Tensor:
+    return torch.ops.aten.mkldnn_rnn_layer(
+        named["input"],
+        *[named[f"weight{i}"] for i in range(1, 5)],
+        named["hx_"],
+        named["cx_tmp"],
+        named["reverse"],
+        named["batch_sizes"],
+        named["mode"],
+        named["hidden_size"],
+        named["num_layers"],
+        named["has_biases"],
+        named["bidirectional"],
+        named["batch_first"],
+        True,
+    )[3]
+
+
+_WORKSPACE_FROM_FORWARD = {"mkldnn_rnn_layer_backward": _lstm_workspace}
+"""Backwards that read a workspace in their library's own layout, which the trace records with
+no bytes (Note [Workspaces fake tensors cannot size] in `lms.analysis.recorder`): made up empty,
+oneDNN's LSTM backward read past it and ended the timing process. Its forward makes one."""
+
+
 def _made_up_call(
     op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A job's arguments made up for ``op`` on ``device``: those of `_ON_THE_HOST` that are
-    integer scalars on the CPU, the indices of `_INDICES_FROM_FORWARD` from its forward."""
+    integer scalars on the CPU, the indices of `_INDICES_FROM_FORWARD` and the workspaces of
+    `_WORKSPACE_FROM_FORWARD` from its forward."""
     names = [argument.name for argument in op._schema.arguments]
 
     def made(name: str, value: Any) -> Any:
@@ -222,6 +254,9 @@ def _made_up_call(
         picked = indices(named)
         if picked.shape == named["indices"].shape:
             named["indices"].copy_(picked)  # in place: its strides are the call's
+    workspace = _WORKSPACE_FROM_FORWARD.get(op._schema.name.removeprefix("aten::"))
+    if workspace is not None:
+        named["workspace"] = workspace(named)
     return (
         tuple(named[name] for name in names[: len(args)]),
         {name: named[name] for name in kwargs},

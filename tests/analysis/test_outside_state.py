@@ -126,6 +126,107 @@ def test_a_scaler_and_a_teacher_from_outside_trace_and_follow_the_plan(tmp_path,
     offload.close()
 
 
+class _Recurrent(nn.Module):
+    """Stacked LSTMs whose state the step carries to the next batch (truncated backpropagation
+    through time)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(
+            nn.LSTM(16 if i == 0 else 32, 32, batch_first=True) for i in range(3)
+        )
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, x, state):
+        carried = []
+        for i, layer in enumerate(self.layers):
+            x, kept = layer(x, None if state is None else state[i])
+            x = torch.tanh(x)
+            carried.append(tuple(t.detach() for t in kept))
+        return self.head(x), carried
+
+
+_state = None  # the state a step carries, as a script keeps it in a global
+
+
+def _backward(model, batch, state):
+    out, state = model(batch[0], state)
+    loss = (out - batch[1]).square().mean()
+    loss.backward()
+    return loss.detach(), state
+
+
+def _global_step(model, batch):
+    global _state
+    loss, _state = _backward(model, batch, _state)
+    return loss
+
+
+def _closed_step():
+    state = None
+
+    def step(model, batch):
+        nonlocal state
+        loss, state = _backward(model, batch, state)
+        return loss
+
+    return step, lambda: state
+
+
+@pytest.mark.parametrize("kept", ["global", "closure"])
+def test_a_state_the_step_carries_is_bound_again_after_tune(tmp_path, kept):
+    """Note [A module's cache is put back]: tracing the step bound its global (or the variable
+    it closes over) to fake tensors; tune raised StepStateError. It is bound again to what it
+    was, and the tuned steps carry the real state as the plain steps do."""
+    global _state
+    torch.manual_seed(2)
+    batches = [[torch.randn(4, 120, 16), torch.randn(4, 120, 16)] for _ in range(3)]
+
+    def run(model, step, ctx=None):
+        got = []
+        for batch in batches:
+            model.zero_grad(set_to_none=True)
+            with ctx if ctx is not None else contextlib.nullcontext():
+                loss = step(model, batch)
+            got.append((loss, [p.grad.clone() for p in model.parameters()]))
+        return got
+
+    if kept == "global":
+        _state = None
+        ref = run(_Recurrent(), _global_step)
+        _state, step, state = None, _global_step, lambda: _state
+    else:
+        ref = run(_Recurrent(), _closed_step()[0])
+        step, state = _closed_step()
+    model = _Recurrent()
+    trace = trace_step(model, batches[0], step, device="cpu")
+    assert state() is None
+    offload = lms.LMS(
+        budget=midway_budget(trace, device_spec("cpu")), tier="disk", spill_dir=str(tmp_path)
+    )
+    plan = offload.tune(model, batches[0], step)
+    assert state() is None and (plan.offload or plan.recompute)
+    for want, got in zip(ref, run(model, step, offload), strict=True):
+        assert_bitwise(want, got)
+    assert type(state()[0][0]) is torch.Tensor and offload.stats.diverged_steps == 0
+    offload.close()
+
+
+_history: list[torch.Tensor] = []  # filled in place by the step: nothing rebinds it
+
+
+def test_a_list_the_step_fills_in_place_is_refused_naming_it():
+    def step(model, batch):
+        out = model(batch[0])
+        _history.append(out.detach())
+        out.square().mean().backward()
+
+    with pytest.raises(lms.StepStateError, match=r"test_outside_state\._history\[0\]"):
+        lms.LMS(budget="1GiB").tune(_student(), [torch.randn(64, 64)], step)
+    _history.clear()
+
+
 def test_a_saved_output_backward_never_reaches_leaves_no_state():
     def step(model, batch):
         hidden = model[0](batch[0])

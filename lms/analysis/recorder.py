@@ -208,6 +208,8 @@ class Recorder(TorchDispatchMode):
             out = _cudnn_rnn_grads(*args, **kwargs)
         elif func is _GROUPED_MM:
             out = _grouped_mm_on_cpu(args, kwargs)
+        elif func is _CLONE and args[0].layout == torch.sparse_coo:
+            out = _sparse_clone(args[0])
         if out is None and self.values is not None:
             out = self.values.call(func, args, kwargs)
         elif out is None:
@@ -453,6 +455,24 @@ def _as_meta(value: Any) -> Any:
     return value
 
 
+# Note: [A sparse tensor is its parts]
+# A sparse tensor (the gradient of an embedding made with sparse=True) has no storage of its own:
+# its memory is that of its indices and its values, plain tensors. The trace counts those as what
+# the op that makes it writes and what the op that takes it reads, and, where it is a weight's
+# gradient, as the gradient the step leaves. Fake tensors clone a sparse tensor into one of no
+# elements, so the trace clones its parts instead.
+def dense_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The strided tensors that hold ``tensor``'s memory: itself, or a sparse tensor's indices
+    and values (Note [A sparse tensor is its parts])."""
+    if tensor.layout == torch.strided:
+        return (tensor,)
+    if tensor.layout == torch.sparse_coo:
+        return (tensor._indices(), tensor._values())
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+    return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+
+
 def _tensors_in(value: Any) -> list[torch.Tensor]:
     """The tensors in an op's arguments or results, in order: a walk of the lists, tuples and
     dicts that aten's calls hold, without pytree's general machinery, which the tracer would
@@ -462,7 +482,7 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            found.append(item)
+            found.extend(dense_parts(item))
         elif isinstance(item, (list, tuple)):
             stack.extend(reversed(item))
         elif isinstance(item, dict):
@@ -545,6 +565,21 @@ class CpuKernelShapes(TorchDispatchMode):
 
 
 _CUDNN_RNN = torch.ops.aten._cudnn_rnn.default
+_CLONE = torch.ops.aten.clone.default
+
+
+def _sparse_clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a sparse tensor, under fake tensors: their clone keeps no element
+    (Note [A sparse tensor is its parts]), where autograd clones a weight's sparse gradient."""
+    return torch.sparse_coo_tensor(
+        tensor._indices().clone(),
+        tensor._values().clone(),
+        tensor.shape,
+        is_coalesced=tensor.is_coalesced(),
+        check_invariants=False,
+    )
+
+
 _CUDNN_RNN_BACKWARD = torch.ops.aten._cudnn_rnn_backward.default
 
 

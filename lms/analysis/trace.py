@@ -34,7 +34,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis import fsdp
-from lms.analysis.recorder import DEVICE_QUERY, OpsPastLimitError, Recorder
+from lms.analysis.recorder import DEVICE_QUERY, OpsPastLimitError, Recorder, dense_parts
 from lms.analysis.values import Values
 from lms.core.config import AUTO_MIN_OFFLOAD_BYTES
 from lms.core.errors import LMSError, StepStateError, UnplannableStepError, step_failed
@@ -833,7 +833,7 @@ def trace_step(
         # the batch's gradients, where the step asks for them, stay after it as the weights' do
         differentiated = [t for t in tensors if t.requires_grad]
         grads = [p.grad for p in [*built.parameters(), *differentiated] if p.grad is not None]
-        gradient_ids = {recorder.storage_id(g)[0] for g in grads}
+        gradient_ids = {recorder.storage_id(t)[0] for g in grads for t in dense_parts(g)}
         for leaf in differentiated:
             leaf.grad = None  # made under fake tensors: no real step may see it
         fsdp.resolve(sharded, recorder.storage_id)

@@ -128,6 +128,8 @@ class Values:
             self.bound[fake] = (_leaf(real), self._generation(fake))
 
     def _generation(self, tensor: torch.Tensor) -> int:
+        if tensor.layout != torch.strided:  # a sparse tensor: known by what made it alone
+            return 0
         return self.generation.get(tensor.untyped_storage()._cdata, 0)
 
     def _ref(self, tensor: torch.Tensor) -> Any:

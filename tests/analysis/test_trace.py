@@ -286,6 +286,36 @@ def test_a_modules_own_ops_before_an_inner_module_are_named_by_it_in_backward():
     assert backward["aten.bmm.default"] == "Attention"
 
 
+def test_a_sparse_gradient_is_traced_as_its_indices_and_values(tmp_path):
+    """Note [A sparse tensor is its parts]: the trace raised on the sparse gradient of an
+    embedding made with sparse=True (a sparse tensor has no storage)."""
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Embedding(1000, 64, sparse=True),
+            *[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(3)],
+        )
+
+    tokens = torch.randint(0, 1000, (4, 256))
+    trace = trace_step(build, [tokens], device="cpu")
+    dense = sum(4 * 64 * 64 + 4 * 64 for _ in range(3))
+    sparse = tokens.numel() * (8 + 64 * 4)  # one index and one row a token
+    assert trace.gradient_bytes == dense + sparse
+    model, plain = build(), build()
+    offload = lms.LMS(budget="70%", tier="disk", spill_dir=str(tmp_path))
+    plan = offload.tune(model, [tokens], lambda m, b: m(*b).float().square().mean().backward())
+    assert plan.offload or plan.recompute
+
+    def dense(run):
+        return run[0], [g.to_dense() if g.is_sparse else g for g in run[1]]
+
+    for _ in range(2):
+        assert_bitwise(dense(run_step(plain, [tokens])), dense(run_step(model, [tokens], offload)))
+    assert offload.stats.diverged_steps == 0
+    offload.close()
+
+
 def test_a_step_whose_shapes_depend_on_the_data_cannot_be_traced():
     class Masked(torch.nn.Module):
         def __init__(self):

@@ -319,6 +319,18 @@ def tiny_mixtral():
     return transformers.MixtralForCausalLM(config)
 
 
+def tiny_gpt_oss():
+    """A mixture of experts whose grouped products take the experts' weights as they are."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=8, layer_types=["full_attention"],
+    )  # fmt: skip
+    return transformers.GptOssForCausalLM(config)
+
+
 def tiny_bart():
     """A Hugging Face encoder-decoder model: its decoder runs on tokens made from its labels."""
     import transformers
@@ -374,11 +386,13 @@ def test_an_imported_builder_is_fed_what_its_first_convolution_takes(builder, sh
     assert main([*argv, "--steps", "1", "--budget", "1GiB", "--json", str(out)]) == 0
 
 
-def test_a_mixture_of_experts_in_single_precision_is_fed_its_tokens():
+@pytest.mark.parametrize("builder", ["tiny_mixtral", "tiny_gpt_oss"])
+def test_a_mixture_of_experts_in_single_precision_is_fed_its_tokens(builder):
     """Note [Grouped products the CPU takes in single precision]: the probe for the output's
-    shape, on the meta device, takes the experts' float32 grouped product as the CPU does."""
+    shape, on the meta device, takes the experts' float32 grouped product as the CPU does, with
+    the model's real weights (GPT-OSS's) as with fake ones."""
     pytest.importorskip("transformers")
-    inputs, labels = zoo_model("tests.test_train:tiny_mixtral").make_batch(12, 2)
+    inputs, labels = zoo_model(f"tests.test_train:{builder}").make_batch(12, 2)
     assert inputs.shape == labels.shape == (2, 12) and int(labels.max()) < 40
 
 

@@ -524,7 +524,8 @@ def _grouped_mm_on_cpu(
     if len(args) < 2:
         return None
     mat_a, mat_b = args[0], args[1]
-    if not (isinstance(mat_a, FakeTensor) and isinstance(mat_b, FakeTensor)):
+    # a probe's weights are the model's own, real, beside fake activations
+    if not (isinstance(mat_a, FakeTensor) or isinstance(mat_b, FakeTensor)):
         return None
     if mat_a.device.type not in devices or mat_a.dtype not in (torch.float32, torch.float64):
         return None

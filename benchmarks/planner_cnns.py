@@ -1,9 +1,10 @@
 """How long the per-tensor planner takes on convolutional networks, and what it finds: the zoo's
-ResNet50, GoogLeNet and 3D U-Net (the cases of `benchmarks/planners.py`) and seven torchvision
-networks at batches that need offload, each traced once (fake tensors) and planned by
-`plan_auto` at fractions of its peak without offload (EfficientNet-B7 and DenseNet-201 at a
-fixed 24 and 12 GiB) against the V100 or H100 spec. Writes each plan's predicted overhead, what
-it moves, the simulations it took and the seconds, as JSON.
+ResNet50, GoogLeNet and 3D U-Net (the cases of `benchmarks/planners.py`), seven torchvision
+networks at batches that need offload and MONAI's SegResNet (group norms, trilinear upsampling),
+each traced once (fake tensors) and planned by `plan_auto` at fractions of its peak without
+offload (EfficientNet-B7 and DenseNet-201 at a fixed 24 and 12 GiB) against the V100 or H100
+spec. Writes each plan's predicted overhead, what it moves, the simulations it took and the
+seconds, as JSON.
 
     .venv/bin/python benchmarks/planner_cnns.py [--out benchmarks/results/planner_cnns_cpu.json]
 """
@@ -33,6 +34,7 @@ CASES = (
     ("swin_t", 448, 16, "v100", (0.5,)),
     ("regnet_y_1_6gf", 768, 16, "v100", (0.5,)),
     ("densenet201", 512, 32, "h100", (12 * 2**30,)),
+    ("monai.networks.nets:SegResNet", 256, 1, "h100", (0.5, 0.35)),
 )
 """(model, size, batch, spec, budgets): a budget below 1 is a fraction of the plain peak."""
 

@@ -79,6 +79,7 @@ RECOMPUTABLE_OPS = frozenset(
         "_native_batch_norm_legit_no_training.default",
         "cudnn_batch_norm.default",
         "native_layer_norm.default",
+        "native_group_norm.default",
         "relu.default",
         "relu_.default",
         "threshold.default",
@@ -127,6 +128,19 @@ RECOMPUTABLE_OPS = frozenset(
         "embedding.default",
         "masked_fill.Scalar",
         "where.self",
+        # a 3D U-Net's decoder (MONAI's SegResNet, UNETR) and a mobile net's activations
+        "upsample_nearest1d.default",
+        "upsample_nearest2d.default",
+        "upsample_nearest3d.default",
+        "upsample_linear1d.default",
+        "upsample_bilinear2d.default",
+        "upsample_trilinear3d.default",
+        "avg_pool2d.default",
+        "avg_pool3d.default",
+        "hardswish.default",
+        "hardswish_.default",
+        "mish.default",
+        "elu.default",
     )
 )
 """Ops whose output backward may recompute: deterministic, with no state but buffers."""

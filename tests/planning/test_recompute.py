@@ -160,6 +160,42 @@ def test_recompute_chains_bitwise_across_architectures(name, spill_dir):
     assert stats.replays_differed == 0
 
 
+class _Decoder3d(nn.Module):
+    """A 3D U-Net's decoder level, as MONAI's SegResNet builds it: group norms, in-place ReLUs,
+    a trilinear upsampling summed with the skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Conv3d(2, 8, 3, stride=2, padding=1)
+        self.norm1, self.conv1 = nn.GroupNorm(4, 8), nn.Conv3d(8, 8, 3, padding=1)
+        self.skip = nn.Conv3d(2, 8, 1)
+        self.norm2, self.head = nn.GroupNorm(4, 8), nn.Conv3d(8, 2, 1)
+
+    def forward(self, x):
+        y = self.conv1(torch.relu_(self.norm1(self.down(x))))
+        y = nn.functional.interpolate(y, scale_factor=2, mode="trilinear") + self.skip(x)
+        return self.head(torch.relu_(self.norm2(y)))
+
+
+def test_group_norms_and_upsampling_recompute_bitwise(spill_dir):
+    """A group norm's output and an upsampling's had no recipe: SegResNet at 256^3 under 16 GiB
+    on an H100 offloaded 7 GiB of them, predicted +212% over its step without offload."""
+
+    def build():
+        torch.manual_seed(0)
+        return _Decoder3d()
+
+    batch = [torch.randn(2, 2, 16, 16, 16)]
+    trace = _trace(build, batch)
+    found = recipes(trace)
+    made = {trace.ops[recipe.ops[0]].name for recipe in found.values()}
+    made |= {trace.ops[i].name for recipe in found.values() for i in recipe.scratch_ops}
+    assert {"aten.native_group_norm.default", "aten.upsample_trilinear3d.default"} <= made
+    plan = _recompute_all(trace)
+    stats = _steps_bitwise(build, batch, plan, spill_dir, recomputed=len(plan.recompute))
+    assert stats.replays_differed == 0
+
+
 def test_a_shortcut_autograd_did_not_save_is_made_again_in_the_replay(spill_dir):
     # A downsampling block sums its shortcut (the downsample's BatchNorm output, which no
     # backward reads) into its own output in place; the output's recipe makes the shortcut

@@ -47,6 +47,8 @@ class _Block(torch.nn.Module):
             self.layer = torch.nn.LayerNorm(WIDTH)
         elif kind == "batchnorm":
             self.layer = torch.nn.BatchNorm1d(WIDTH)
+        elif kind == "groupnorm":
+            self.layer = torch.nn.GroupNorm(4, WIDTH)
         elif kind == "dropout":
             self.layer = torch.nn.Dropout(0.3)
         elif kind == "attention":
@@ -75,7 +77,15 @@ class _Block(torch.nn.Module):
         if kind == "slices":  # two saved views of one storage
             y = self.layer(x)
             return torch.cat([y[:, : WIDTH // 2].exp(), y[:, WIDTH // 2 :].sin()], dim=1)
-        if kind in ("layernorm", "batchnorm", "dropout"):
+        if kind == "resample":  # a decoder's: upsampled, pooled back, a mobile net's activation
+            y = self.layer(x).view(BATCH, 4, 2, 2)
+            y = torch.nn.functional.interpolate(y, scale_factor=2, mode="bilinear")
+            y = torch.nn.functional.avg_pool2d(torch.nn.functional.hardswish(y), 2)
+            y = torch.nn.functional.interpolate(y.reshape(BATCH, 1, WIDTH), scale_factor=2)
+            return y.view(BATCH, WIDTH, 2).mean(-1)
+        if kind == "smooth":
+            return torch.nn.functional.mish(torch.nn.functional.elu(self.layer(x)))
+        if kind in ("layernorm", "batchnorm", "groupnorm", "dropout"):
             return self.layer(x)
         return self.layer(x).relu()
 
@@ -93,6 +103,9 @@ KINDS = [
     "shared",
     "custom",
     "slices",
+    "groupnorm",
+    "resample",
+    "smooth",
 ]
 
 

@@ -105,6 +105,23 @@ class LMSConfig:
     """The share of the step's simulated peak a budget such as ``"60%"`` asks for, until
     `lms.LMS.tune` turns it into bytes; None for a budget given in bytes."""
 
+    def refuse_share(self, untraced: str) -> None:
+        """Refuse a budget given as a share of the peak where no trace will tell the peak.
+
+        Args:
+            untraced: why the step is not traced, and the setting, as a user names them
+                ("offload_trainer(tune=False)").
+
+        Raises:
+            ValueError: ``budget`` is a share, such as ``"60%"``.
+        """
+        if self.budget_share is not None:
+            raise ValueError(
+                f"lms: budget='{100 * self.budget_share:g}%' is a share of the step's peak "
+                f"without offload, which only a trace of the step tells, and {untraced}; give "
+                "the budget as a size, such as '10GiB'"
+            )
+
     def __post_init__(self) -> None:
         share = parse_share(self.budget)
         if share is not None:

@@ -39,7 +39,9 @@ class LMSCallback(Callback):
 
     Args:
         tune: trace and plan the first training batch of each shape before it runs (automatic
-            optimization only; with manual optimization the runtime's own policy decides).
+            optimization only; with manual optimization the runtime's own policy decides, and
+            the budget must be a size: a share of the peak, such as ``"60%"``, is refused when
+            fit starts, as it is here with ``tune=False``).
         cache_dir: where tuned plans are cached (default ``$LMS_CACHE_DIR``, else
             ``~/.cache/lms/plans``).
         plan: follow this plan instead of tuning one.
@@ -64,6 +66,8 @@ class LMSCallback(Callback):
         self.config = LMSConfig(**settings)  # checked now, not at the first batch
         self.plan = plan
         self.tune = tune and plan is None
+        if not tune and plan is None:
+            self.config.refuse_share("LMSCallback(tune=False) traces nothing")
         self.cache_dir = cache_dir
         self.no_offload_in = tuple(no_offload_in)
         self.lms: LMS | None = None
@@ -73,6 +77,10 @@ class LMSCallback(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             submodules(pl_module, self.no_offload_in)  # a wrong name fails before fit
+            if self.tune and not pl_module.automatic_optimization:
+                self.config.refuse_share(
+                    "the callback traces no step of a LightningModule with manual optimization"
+                )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # The strategy has put the model on its device: its parameters' storages are final.

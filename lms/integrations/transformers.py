@@ -47,7 +47,8 @@ def offload_trainer(
 
     Raises:
         TypeError: ``trainer`` has no ``training_step``.
-        ValueError: ``trainer`` is wrapped already, or a setting is out of range.
+        ValueError: ``trainer`` is wrapped already, a setting is out of range, or with
+            ``tune=False`` the budget is a share of the peak (``"60%"``).
     """
     step = getattr(trainer, "training_step", None)
     if not callable(step):
@@ -57,6 +58,8 @@ def offload_trainer(
     if getattr(step, "__lms__", None) is not None:
         raise ValueError("lms: this trainer's steps run under LMS already; wrap it once")
     offload = LMS(budget=budget, **settings)
+    if not tune:
+        offload.config.refuse_share("offload_trainer(tune=False) traces nothing")
 
     @functools.wraps(step)
     def training_step(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:

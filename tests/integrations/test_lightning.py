@@ -232,6 +232,34 @@ def test_bad_settings_fail_when_the_callback_is_made():
         LMSCallback(sync_mode=7)
 
 
+class ManualNet(Net):
+    """Manual optimization (a GAN's two updates a batch takes it): the callback traces none."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch["image"]), batch["label"])
+        self.manual_backward(loss)
+        self.optimizers().step()
+
+
+def test_a_share_of_the_peak_with_no_trace_to_tell_it_is_refused_before_fit(tmp_path):
+    """The runtime refused such a budget at the first batch, asking for tune(), which the
+    callback does not call with manual optimization or ``tune=False``."""
+    with pytest.raises(ValueError, match=r"tune=False\) traces nothing; give the budget as a size"):
+        LMSCallback(budget="60%", tune=False)
+    model = ManualNet()
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="manual optimization; give the budget as a size"):
+        fit([LMSCallback(budget="60%", cache_dir=str(tmp_path))], model)
+    assert all(same_bits(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    callback = LMSCallback(budget="3MiB", min_offload_bytes=0, spill_dir=str(tmp_path))
+    fit([callback], ManualNet())
+    assert callback.lms.stats.offloaded_tensors > 0 and hooks_are_gone()
+
+
 def test_import_lms_leaves_the_frameworks_unimported():
     probe = "import sys, lms; print(sorted({m.split('.')[0] for m in sys.modules}))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

@@ -180,6 +180,9 @@ def test_a_trainer_is_wrapped_once_and_other_objects_are_refused(tmp_path):
         offload_trainer(trainer, budget="1GiB")
     with pytest.raises(TypeError, match="transformers.Trainer"):
         offload_trainer(object(), budget="1GiB")
+    # a share of the peak needs the trace that tune=False leaves out: refused at once
+    with pytest.raises(ValueError, match=r"tune=False\) traces nothing"):
+        offload_trainer(_trainer(tmp_path), budget="60%", tune=False)
 
 
 def test_an_exception_mid_step_leaves_no_hooks_or_spill_files(tmp_path):

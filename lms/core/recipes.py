@@ -66,8 +66,10 @@ def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
     return found
 
 
-_MAX_DEPTH = 3
-"""How many storages deep a replay may remake storages that autograd did not save."""
+_MAX_DEPTH = 5
+"""How many storages deep a replay may remake storages that autograd did not save: GPT-2's
+attention scores take a causal mask made four deep (``ones``, ``tril``, ``where``, the sum), its
+tanh-approximated GELU a tanh four deep (``pow``, a scale, a sum, a scale)."""
 
 RECOMPUTABLE_OPS = frozenset(
     f"aten.{name}"
@@ -128,6 +130,15 @@ RECOMPUTABLE_OPS = frozenset(
         "embedding.default",
         "masked_fill.Scalar",
         "where.self",
+        # an attention's causal mask, made where forward runs, and its softmax in the math path
+        "ones.default",
+        "zeros.default",
+        "full.default",
+        "scalar_tensor.default",
+        "arange.start",
+        "tril.default",
+        "triu.default",
+        "_safe_softmax.default",
         # a 3D U-Net's decoder (MONAI's SegResNet, UNETR) and a mobile net's activations
         "upsample_nearest1d.default",
         "upsample_nearest2d.default",

@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 import lms  # noqa: E402
 from lms.analysis import trace_step  # noqa: E402
+from lms.core.recipes import recipes  # noqa: E402
 from tests.conftest import assert_bitwise, recomputing_plan  # noqa: E402
 
 CONFIGS = {
@@ -28,6 +29,9 @@ CONFIGS = {
     ),
     # eager attention, learned positions, tied embeddings, dropout everywhere
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, attn_implementation="eager"),
+    # SDPA in its math path (a softmax over scores summed with a causal mask made in forward),
+    # the tanh-approximated GELU: replays that make the mask and the tanh's input again
+    "gpt2-sdpa": dict(n_embd=64, n_layer=2, n_head=4, attn_implementation="sdpa"),
 }
 
 
@@ -35,7 +39,7 @@ def _model(kind):
     torch.manual_seed(0)
     options = dict(CONFIGS[kind])
     attention = options.pop("attn_implementation")
-    config = transformers.AutoConfig.for_model(kind, vocab_size=256, **options)
+    config = transformers.AutoConfig.for_model(kind.split("-")[0], vocab_size=256, **options)
     config._attn_implementation = attention
     return transformers.AutoModelForCausalLM.from_config(config).train()
 
@@ -60,7 +64,7 @@ def _run(model, ids, half, offload=None):
 
 @pytest.mark.parametrize("plan", ["everything-offloaded", "recompute"])
 @pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt2-sdpa"])
 def test_hugging_face_models_train_bitwise(kind, half, plan, spill_dir):
     model = _model(kind)
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # tied
@@ -80,6 +84,9 @@ def test_hugging_face_models_train_bitwise(kind, half, plan, spill_dir):
         )
         made = recomputing_plan(traced)
         assert made.recompute
+        if kind == "gpt2-sdpa":
+            replayed = {traced.ops[i].name for r in recipes(traced).values() for i in r.all_ops}
+            assert {"aten._safe_softmax.default", "aten.tril.default"} <= replayed
         offload = lms.LMS(plan=made, tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
     for _ in range(2):
         assert_bitwise(plain, _run(model, ids, half, offload))

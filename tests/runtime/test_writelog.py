@@ -26,7 +26,7 @@ def test_a_history_goes_with_its_storage_and_lets_go_of_what_it_held():
         alive_while_read = held() is not None  # the history of `doubled` holds it
         histories = len(log.histories)
         del doubled
-        torch.zeros(1)  # the next call drops the histories whose storages died
+        torch.empty(1)  # the next call, of no recipe, drops the histories whose storages died
         gc.collect()
         assert alive_while_read
         assert histories == 2

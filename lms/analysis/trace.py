@@ -514,10 +514,11 @@ def _fake_state(model: torch.nn.Module, device: torch.device, values: Values) ->
 # module has) and the lists and dicts they hold, and where one holds a fake tensor after the step,
 # puts back what it held before: a list or dict refilled in place (its holders share it), an
 # attribute made meanwhile dropped. The real step makes its own again, as it did the first time.
-# The same holds for the step function's globals and the variables it closes over, where the step
-# binds them anew (a recurrent state carried from step to step, ``state = h.detach()``): a name
-# bound to a fake tensor after the step is bound again to what it was before. What holds a fake
-# tensor elsewhere (a GradScaler's scale) is refused (`_check_left`).
+# The same holds for the step function's globals, the variables it closes over and, for a
+# method, its object's attributes, where the step binds them anew (a recurrent state carried from
+# step to step, ``state = h.detach()``): a name bound to a fake tensor after the step is bound
+# again to what it was before. What holds a fake tensor elsewhere (a GradScaler's scale) is
+# refused (`_check_left`).
 _EVERY_MODULES = frozenset(vars(torch.nn.Module()))
 """Attributes every module has (its parameters, buffers, submodules, hooks, mode)."""
 
@@ -558,26 +559,30 @@ def _module_caches_kept(model: torch.nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _step_variables_kept(step: Callable[..., Any]) -> Iterator[None]:
-    """Bind again the step function's globals and closed-over variables that the step bound to
-    a fake tensor (Note [A module's cache is put back])."""
+    """Bind again the step function's globals, closed-over variables and, for a method, its
+    object's attributes that the step bound to a fake tensor (Note [A module's cache is put
+    back])."""
     function: Any = step
     while isinstance(function, functools.partial):
         function = function.func
-    function = getattr(function, "__func__", function)  # a bound method's function
-    names = getattr(function, "__globals__", None)
+    owner = getattr(function, "__self__", None)  # a bound method's object
+    function = getattr(function, "__func__", function)
+    tables = [getattr(function, "__globals__", None)]
+    if owner is not None and not isinstance(owner, torch.nn.Module):  # modules: their caches
+        tables.append(getattr(owner, "__dict__", None))
+    kept = [(table, dict(table)) for table in tables if isinstance(table, dict)]
     cells = getattr(function, "__closure__", None) or ()
-    before = dict(names) if isinstance(names, dict) else {}
     contents = [_content(cell) for cell in cells]
     try:
         yield
     finally:
-        if isinstance(names, dict):
-            for key in [k for k, v in names.items() if v is not before.get(k, _UNBOUND)]:
-                if _holds_fake(names[key]):
+        for table, before in kept:
+            for key in [k for k, v in table.items() if v is not before.get(k, _UNBOUND)]:
+                if _holds_fake(table[key]):
                     if key in before:
-                        names[key] = before[key]
+                        table[key] = before[key]
                     else:
-                        del names[key]
+                        del table[key]
         for cell, content in zip(cells, contents, strict=True):
             now = _content(cell)
             if now is not content and _holds_fake(now):

@@ -174,7 +174,18 @@ def _closed_step():
     return step, lambda: state
 
 
-@pytest.mark.parametrize("kept", ["global", "closure"])
+class _Carrier:
+    """A training loop's object whose method is the step, the state on itself."""
+
+    def __init__(self):
+        self.state = None
+
+    def step(self, model, batch):
+        loss, self.state = _backward(model, batch, self.state)
+        return loss
+
+
+@pytest.mark.parametrize("kept", ["global", "closure", "method"])
 def test_a_state_the_step_carries_is_bound_again_after_tune(tmp_path, kept):
     """Note [A module's cache is put back]: tracing the step bound its global (or the variable
     it closes over) to fake tensors; tune raised StepStateError. It is bound again to what it
@@ -196,9 +207,13 @@ def test_a_state_the_step_carries_is_bound_again_after_tune(tmp_path, kept):
         _state = None
         ref = run(_Recurrent(), _global_step)
         _state, step, state = None, _global_step, lambda: _state
-    else:
+    elif kept == "closure":
         ref = run(_Recurrent(), _closed_step()[0])
         step, state = _closed_step()
+    else:
+        ref = run(_Recurrent(), _Carrier().step)
+        carrier = _Carrier()
+        step, state = carrier.step, lambda: carrier.state
     model = _Recurrent()
     trace = trace_step(model, batches[0], step, device="cpu")
     assert state() is None

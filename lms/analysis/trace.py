@@ -34,6 +34,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis import fsdp
+from lms.analysis.cardkernels import CardKernels
 from lms.analysis.recorder import DEVICE_QUERY, OpsPastLimitError, Recorder, dense_parts
 from lms.analysis.values import Values
 from lms.core.config import AUTO_MIN_OFFLOAD_BYTES
@@ -697,6 +698,7 @@ def trace_step(
     name: str = "model",
     slabs: Mapping[str, int] | None = None,
     max_ops: int | None = None,
+    card_kernels: bool = False,
 ) -> Trace:
     """Run one training step under `FakeTensorMode` and record it.
 
@@ -717,6 +719,8 @@ def trace_step(
             how many (`lms.core.slabs.split_modules`).
         max_ops: with ``slabs``, the most ops the step may run in them: past it the trace
             stops (Note [Which submodules run in slabs]).
+        card_kernels: on the CPU, run attention and dropout as a card's fused kernels do, for
+            a step priced for a GPU (Note [A card's attention and dropout, traced on a CPU]).
 
     Raises:
         SplitError: a name in ``slabs`` is not a submodule, or a count is below 2; or the step
@@ -751,6 +755,7 @@ def trace_step(
         fsdp.hooks_lifted(built),
         caches,
         _step_variables_kept(step),
+        CardKernels() if card_kernels and target.type == "cpu" else _noop(),
         fake_mode,
         torch.device(target),
         fake_state,

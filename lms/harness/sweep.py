@@ -85,6 +85,7 @@ def sweep(
             device="cpu",
             autocast=torch.bfloat16 if amp else None,
             name=model,
+            card_kernels=not spec.cpu_scratch,
         )
         try:
             trace = traced()

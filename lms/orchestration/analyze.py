@@ -222,6 +222,7 @@ def analyze(
         optimizer=optimizer,
         min_offload_bytes=min_offload_bytes,
         name=name,
+        card_kernels=not spec.cpu_scratch,  # a GPU's spec (Note [A card's attention and ...])
     )
     whole = traced()
     if share is not None:  # a share of the step's own peak without offload, as LMS takes one

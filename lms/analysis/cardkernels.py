@@ -7,10 +7,9 @@ tensors: it keeps the attention probabilities for backward, a [batch, heads, len
 tensor a layer. On a card it runs a fused kernel (flash attention in half precision without a
 mask, memory-efficient attention otherwise) that keeps its output and the log-sum-exp alone.
 Dropout on the CPU draws its mask into a tensor of the input's dtype (``empty_like``,
-``bernoulli_``, ``div_``); a card's ``native_dropout`` keeps one byte an element. GPT-2 medium
-(24 layers, batch 12, sequence 1024, fp32) traced on the CPU was simulated at 100.0 GiB without
-offload for the H100 spec, where the trace an H200 took of the same step gives 43.2 GiB and the
-card measured 44.1 GiB.
+``bernoulli_``, ``div_``); a card's ``native_dropout`` keeps one byte an element. A
+transformer traced so was simulated at more than twice the memory its card's own trace gives
+(benchmarks/results/README.md, "A card's attention and dropout, traced on a CPU").
 
 So a trace on the CPU for a GPU spec (`lms.analyze` with a GPU's spec, where this machine has no
 card) runs those calls as the card's kernels, which fake tensors take through their meta kernels

@@ -5,7 +5,8 @@ Hugging Face GPT-2 medium (hidden 1024, 16 heads, batch 12, sequence 1024, fp32,
 ``labels=input_ids``) at 12, 24 and 48 layers, at 60% of its peak; and a Llama-3-8B-shaped model
 (32 layers, hidden 4096, 32 heads with 8 KV heads, intermediate 14336, sequence 8192, batch 1,
 bfloat16 autocast) at 70%. Random weights, built under fake tensors: nothing is downloaded and
-no real memory is taken. Each case runs three times; writes the medians and each run's total
+no real memory is taken. Attention and dropout are traced as the card's kernels run them, as
+`lms analyze` does for a GPU's spec (Note [A card's attention and dropout, traced on a CPU]). Each case runs three times; writes the medians and each run's total
 as JSON. ``--planner milp`` plans with the mixed-integer program (`lms.planning.milp`) in place
 of `plan_auto`, on the same traces.
 
@@ -89,7 +90,7 @@ def _case(
     autocast = torch.bfloat16 if half else None
     for _ in range(runs):
         start = time.perf_counter()
-        trace = trace_step(build, [ids], step, device="cpu", autocast=autocast)
+        trace = trace_step(build, [ids], step, device="cpu", autocast=autocast, card_kernels=True)
         traced.append(time.perf_counter() - start)
         plain = simulate(trace, None, spec, half=half)
         budget = int(plain.peak_bytes * fraction)

@@ -6,9 +6,10 @@ Hugging Face GPT-2 medium (hidden 1024, 16 heads, batch 12, sequence 1024, fp32,
 (32 layers, hidden 4096, 32 heads with 8 KV heads, intermediate 14336, sequence 8192, batch 1,
 bfloat16 autocast) at 70%. Random weights, built under fake tensors: nothing is downloaded and
 no real memory is taken. Attention and dropout are traced as the card's kernels run them, as
-`lms analyze` does for a GPU's spec (Note [A card's attention and dropout, traced on a CPU]). Each case runs three times; writes the medians and each run's total
-as JSON. ``--planner milp`` plans with the mixed-integer program (`lms.planning.milp`) in place
-of `plan_auto`, on the same traces.
+`lms analyze` does for a GPU's spec (Note [A card's attention and dropout, traced on a CPU]).
+Each case runs three times; writes the medians and each run's total as JSON. ``--planner milp``
+plans with the mixed-integer program (`lms.planning.milp`) in place of `plan_auto`, on the same
+traces.
 
     .venv/bin/python benchmarks/tune_time.py [--out benchmarks/results/tune_time_cpu.json]
     .venv/bin/python benchmarks/tune_time.py --planner milp \

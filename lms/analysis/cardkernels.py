@@ -73,11 +73,11 @@ def _fused_attention(
         return torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, dropout_p, is_causal, False, scale=scale
         )[0]
+    if attn_mask is not None and is_causal:
+        return None  # a card refuses both
     bias = attn_mask
     if bias is not None and bias.dtype == torch.bool:  # as the card's entry makes it
         bias = torch.zeros_like(bias, dtype=query.dtype).masked_fill(~bias, float("-inf"))
-    if bias is not None and is_causal:
-        return None  # a card refuses both
     needs_grad = any(t.requires_grad for t in tensors)
     return torch.ops.aten._scaled_dot_product_efficient_attention(
         query, key, value, bias, needs_grad, dropout_p, is_causal, scale=scale

@@ -482,7 +482,10 @@ def _tensors_in(value: Any) -> list[torch.Tensor]:
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            found.extend(dense_parts(item))
+            if item.layout is torch.strided:
+                found.append(item)
+            else:  # Note [A sparse tensor is its parts]
+                found.extend(dense_parts(item))
         elif isinstance(item, (list, tuple)):
             stack.extend(reversed(item))
         elif isinstance(item, dict):

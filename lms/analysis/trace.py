@@ -542,12 +542,7 @@ def _module_caches_kept(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for module, before, held in kept:
             attributes = vars(module)
-            for key in [k for k, v in attributes.items() if k not in _EVERY_MODULES]:
-                if _holds_fake(attributes[key]):
-                    if key in before:
-                        attributes[key] = before[key]
-                    else:
-                        del attributes[key]
+            _put_back(attributes, before, [k for k in attributes if k not in _EVERY_MODULES])
             for container, contents in held.values():
                 if not _holds_fake(container):
                     continue
@@ -556,6 +551,17 @@ def _module_caches_kept(model: torch.nn.Module) -> Iterator[None]:
                 else:
                     container.clear()
                     container.update(contents)
+
+
+def _put_back(table: dict[str, Any], before: dict[str, Any], keys: list[str]) -> None:
+    """Of ``keys``, bind those that hold a fake tensor in ``table`` again to what ``before``
+    held, or drop them where it held none (Note [A module's cache is put back])."""
+    for key in keys:
+        if _holds_fake(table[key]):
+            if key in before:
+                table[key] = before[key]
+            else:
+                del table[key]
 
 
 @contextlib.contextmanager
@@ -578,12 +584,7 @@ def _step_variables_kept(step: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         for table, before in kept:
-            for key in [k for k, v in table.items() if v is not before.get(k, _UNBOUND)]:
-                if _holds_fake(table[key]):
-                    if key in before:
-                        table[key] = before[key]
-                    else:
-                        del table[key]
+            _put_back(table, before, [k for k, v in table.items() if v is not before.get(k)])
         for cell, content in zip(cells, contents, strict=True):
             now = _content(cell)
             if now is not content and _holds_fake(now):

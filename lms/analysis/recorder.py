@@ -661,9 +661,11 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # it is estimated (`_one_row`); one with a kernel of 16 taps or more (wav2vec2's positional
 # convolution, 128) makes its weight gradient in copies, as a 3D one over two frames does, each
 # beside one group's input unfolded into columns. A
-# dilated convolution whose kernel spans more than its input takes more than estimated. The
-# simulator counts scratch for the "cpu" spec only (`DeviceSpec.cpu_scratch`); other ops' scratch
-# is small. The sizes measured per kernel, and how close the estimates came:
+# dilated convolution whose kernel spans more than its input takes more than estimated, five
+# times at DeepLabV3's atrous pooling; where a plan is tuned on the CPU it runs on, the timing
+# process measures each op's scratch, and the simulator takes the larger (Note [An op's scratch,
+# measured where it is timed] in `lms.orchestration.timing`). The simulator counts scratch for
+# the "cpu" spec only (`DeviceSpec.cpu_scratch`). The sizes measured per kernel, and how close the estimates came:
 # benchmarks/results/README.md, "Convolution scratch on the CPU".
 _CONVOLUTIONS = {"aten.convolution.default", "aten.convolution_backward.default"}
 _CHANNEL_BLOCK = 16

@@ -6,7 +6,8 @@ or to disk) and copies in run on one channel per direction, overlapping compute;
 a tensor still on its way in waits for it. Device memory counts every storage between the start of
 the op that allocates it and the end of the op after which it is freed, rounded up by the
 allocator's block size, plus the device's workspace margin; on a CPU, each op's scratch while it
-runs (Note [Convolution scratch on the CPU]).
+runs, as estimated (Note [Convolution scratch on the CPU]) or as measured where that is more (Note
+[An op's scratch, measured where it is timed]).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lms.analysis.clock import Clock, allowance
 from lms.core import costs, policy
-from lms.core.devices import DeviceSpec
+from lms.core.devices import MAPPED_ALONE_BYTES, DeviceSpec
 from lms.core.plan import Plan
 from lms.core.records import JunctionRecord, StorageRecord, Trace
 
@@ -235,7 +236,7 @@ def simulate(
     """
     seconds = op_seconds(trace, spec, half, write_log=plan is not None and bool(plan.recompute))
     clock = Clock(trace, plan, spec, seconds)
-    held = _Residency(clock, spec.cpu_scratch)
+    held = _Residency(clock)
     times, device, host, peak_tensor = _sweep(
         held.columns(), held.host_spans, spec, held.graph_columns()
     )
@@ -278,9 +279,9 @@ class _Residency:
     columns]); what the plan moves, recomputes or relieves, interval by interval.
     """
 
-    def __init__(self, clock: Clock, cpu_scratch: bool):
+    def __init__(self, clock: Clock):
         self.clock = clock
-        self.scratch = _scratch_ops(clock.trace) if cpu_scratch else {}
+        self.scratch = _scratch_ops(clock.trace, clock.spec)
         self.special: list[Interval] = []
         self.positions: list[int] = []  # of each special interval, in the storages' order
         self.position = -1
@@ -537,13 +538,33 @@ def _graph_ops(trace: Trace) -> tuple[numpy.ndarray, int]:
     return found  # type: ignore[no-any-return]
 
 
-def _scratch_ops(trace: Trace) -> dict[int, int]:
-    """The ops that take CPU scratch, and its bytes (Note [A trace derives once])."""
-    found = trace.memo.get("cpu_scratch")
-    if found is None:
-        found = trace.memo["cpu_scratch"] = {
+def _scratch_ops(trace: Trace, spec: DeviceSpec) -> dict[int, int]:
+    """The ops that take CPU scratch on ``spec``, and its bytes: the larger of the trace's
+    estimate and what the spec's op timings measured (Note [An op's scratch, measured where it
+    is timed] in `lms.orchestration.timing`); none where the spec takes no CPU scratch (Note [A
+    trace derives once])."""
+    if not spec.cpu_scratch:
+        return {}
+    estimated = trace.memo.get("cpu_scratch")
+    if estimated is None:
+        estimated = trace.memo["cpu_scratch"] = {
             op.index: op.cpu_scratch_bytes for op in trace.ops if op.cpu_scratch_bytes
         }
+    timings = spec.op_timings
+    if (
+        timings is None
+        or len(timings.scratch) != len(trace.ops)
+        or timings.fingerprint != trace.fingerprint()
+    ):
+        return estimated  # type: ignore[no-any-return]
+    key = ("cpu_scratch", timings)  # compared by identity
+    found = trace.memo.get(key)
+    if found is None:
+        found = dict(estimated)
+        for index, nbytes in enumerate(timings.scratch):
+            if nbytes is not None and nbytes >= MAPPED_ALONE_BYTES:  # below, pages the heap had
+                found[index] = max(found.get(index, 0), nbytes)
+        trace.memo[key] = found
     return found  # type: ignore[no-any-return]
 
 

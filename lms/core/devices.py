@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from lms.core.units import bucket_bytes, parse_bytes
 
@@ -45,11 +46,34 @@ class OpTimings:
     """`lms.core.records.Trace.fingerprint` of the trace timed."""
     seconds: tuple[float | None, ...]
     """By op index; None for an op not timed (priced by the spec's rates)."""
+    scratch: tuple[int | None, ...] = ()
+    """By op index, the bytes each op took beyond its tensors while it ran, measured on a CPU
+    (Note [An op's scratch, measured where it is timed] in `lms.orchestration.timing`); None
+    for an op not measured, empty where none was."""
 
     @property
     def timed(self) -> int:
         """How many ops have a time."""
         return sum(s is not None for s in self.seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        """As JSON keeps them (`from_dict` reads it back)."""
+        return {"fingerprint": self.fingerprint, "seconds": list(self.seconds)} | (
+            {"scratch": list(self.scratch)} if self.scratch else {}
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OpTimings:
+        """From `to_dict`'s; one written before scratch was measured has none.
+
+        Raises:
+            KeyError, TypeError, ValueError: ``data`` is not one `to_dict` wrote.
+        """
+        return cls(
+            fingerprint=str(data["fingerprint"]),
+            seconds=tuple(None if s is None else float(s) for s in data["seconds"]),
+            scratch=tuple(None if b is None else int(b) for b in data.get("scratch", ())),
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -239,11 +239,7 @@ def _spec_to_dict(spec: DeviceSpec) -> dict[str, Any]:
         f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "op_timings"
     }
     timings = spec.op_timings
-    data["op_timings"] = (
-        None
-        if timings is None
-        else {"fingerprint": timings.fingerprint, "seconds": list(timings.seconds)}
-    )
+    data["op_timings"] = None if timings is None else timings.to_dict()
     return data
 
 
@@ -253,7 +249,7 @@ def _spec_from_dict(data: dict[str, Any]) -> DeviceSpec:
     spec = DeviceSpec(**values)
     if timings is None:
         return spec
-    return spec.with_op_timings(OpTimings(timings["fingerprint"], tuple(timings["seconds"])))
+    return spec.with_op_timings(OpTimings.from_dict(timings))
 
 
 def _step_to_dict(step: StepTimes) -> dict[str, Any]:

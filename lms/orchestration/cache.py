@@ -146,8 +146,7 @@ def save_plan(plan: Plan, path: str, timings: OpTimings | None = None) -> None:
     """Write ``plan`` to ``path`` whole: to a temporary file in the same folder, then renamed;
     and beside it the op times it was priced at, if any (`load_timings`)."""
     if timings is not None:
-        times = {"fingerprint": timings.fingerprint, "seconds": list(timings.seconds)}
-        _write_whole(_times_path(path), json.dumps(times))
+        _write_whole(_times_path(path), json.dumps(timings.to_dict()))
     _write_whole(path, plan.to_json())
 
 
@@ -163,10 +162,7 @@ def load_timings(path: str, trace: Trace) -> OpTimings | None:
     try:
         with open(_times_path(path)) as handle:
             data = json.load(handle)
-        timings = OpTimings(
-            fingerprint=str(data["fingerprint"]),
-            seconds=tuple(None if s is None else float(s) for s in data["seconds"]),
-        )
+        timings = OpTimings.from_dict(data)
     except (OSError, ValueError, TypeError, KeyError):
         return None
     if timings.fingerprint != trace.fingerprint() or len(timings.seconds) != len(trace.ops):

@@ -21,12 +21,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 from tqdm import tqdm
 
 from lms.core.devices import FRESH_PAGES_BYTES, OpTimings
 from lms.core.records import TensorMeta, Trace
-from lms.runtime.heap import map_alone_from, trim_heap
+from lms.runtime.heap import (
+    PeakMemory,
+    map_alone_from,
+    peak_rss_bytes,
+    reset_peak_rss,
+    trim_heap,
+)
 
 __all__ = ["apply_backend_settings", "backend_settings", "started_early", "time_ops"]
 
@@ -44,6 +50,9 @@ _CHILD = (sys.executable, "-c", "from lms.orchestration.timing import _main; _ma
 Job = tuple[str, tuple[Any, ...], dict[str, Any]]
 """A call to time: the overload's name (``aten.add.Tensor``), its arguments, tensors as
 `TensorMeta`."""
+_Taken = tuple[float, int | None]
+"""What a call took: its seconds, and on a CPU its scratch bytes (Note [An op's scratch,
+measured where it is timed])."""
 
 
 # Note: [Ops are timed in a process of their own]
@@ -110,10 +119,14 @@ def time_ops(
         owners.append(indices)
     started = time.perf_counter()
     results = _time_in_child(jobs, device, limit_s, mapped_bytes) if jobs else {}
+    scratch: list[int | None] = [None] * len(trace.ops)
     for job, indices in enumerate(owners):
+        taken = results.get(job)
         for index in indices:
-            seconds[index] = results.get(job)
-    timings = OpTimings(fingerprint=trace.fingerprint(), seconds=tuple(seconds))
+            seconds[index], scratch[index] = taken if taken is not None else (None, None)
+    timings = OpTimings(
+        fingerprint=trace.fingerprint(), seconds=tuple(seconds), scratch=tuple(scratch)
+    )
     log.info(
         "[LMS] Timed %d of %d distinct calls of %d ops on %s in %.1f s (%d ops left to the "
         "rates: calls %d over the memory allowed, %d over the time, %d refused made-up data)",
@@ -265,9 +278,9 @@ def _made_up_call(
 
 def _time_in_child(
     jobs: list[Job], device: torch.device, limit_s: float, mapped_bytes: int | None = None
-) -> dict[int, float | None]:
-    """Each job's seconds (None: it raised, or the process died running it), by position, timed
-    by a process of its own; jobs it did not reach in ``limit_s`` are left out.
+) -> dict[int, _Taken | None]:
+    """Each job's seconds and scratch (None: it raised, or the process died running it), by
+    position, timed by a process of its own; jobs it did not reach in ``limit_s`` are left out.
 
     Note: [A timing process that dies]
     An op run on made-up data can end the process that runs it (a kernel's segmentation fault,
@@ -282,7 +295,7 @@ def _time_in_child(
             sendable.append(pickle.dumps(tree_map(_sendable, job)))
         except Exception:  # an argument that cannot be sent (an object of the user's)
             sendable.append(None)
-    results: dict[int, float | None] = {}
+    results: dict[int, _Taken | None] = {}
     started = time.perf_counter()
     first = 0
     for _ in range(_RESTARTS + 1):
@@ -326,7 +339,7 @@ def _run_child(
     device: torch.device,
     limit_s: float,
     mapped_bytes: int | None = None,
-) -> tuple[dict[int, float | None], int | None, int | None]:
+) -> tuple[dict[int, _Taken | None], int | None, int | None]:
     """One timing process over ``sendable``: the times it sent, by position; the job it was
     running when it ended, if it ended in one; and its exit code (0 where it finished them and
     waits for more; None: it could not start)."""
@@ -342,7 +355,7 @@ def _run_child(
             return {}, None, None
     threading.Thread(target=worker.send, args=(payload,), daemon=True).start()
     deadline = time.perf_counter() + limit_s + _START_S
-    results: dict[int, float | None] = {}
+    results: dict[int, _Taken | None] = {}
     running: int | None = None
     finished = ended = False
     try:
@@ -607,9 +620,10 @@ def _time_jobs(jobs: list[bytes | None], device: torch.device, limit_s: float, o
 
 def _time_call(
     name: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
-) -> float | None:
-    """Seconds one run of the overload ``name`` takes on ``device`` (the fastest of a few);
-    None where it raises."""
+) -> _Taken | None:
+    """Seconds one run of the overload ``name`` takes on ``device`` (the fastest of a few), and
+    on a CPU the scratch it takes (Note [An op's scratch, measured where it is timed]); None
+    where it raises."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -627,9 +641,60 @@ def _time_call(
             total = sum(runs)
             if total >= _ENOUGH_S or len(runs) >= 3 and total >= _AT_LEAST_S:
                 break
-        return min(runs)
+        scratch = _scratch_taken(op, args, kwargs) if device.type == "cpu" else None
+        return min(runs), scratch
     except Exception:  # an op that needs real data (a valid index, a positive value)
         return None
+
+
+# Note: [An op's scratch, measured where it is timed]
+# Some ops take memory of their own while they run, beyond their inputs and outputs: a library's
+# copies of its operands in its own layout, unfolded columns, per-thread buffers. The trace
+# estimates a CPU convolution's and an LSTM backward's from their shapes (Note [Convolution
+# scratch on the CPU] in `lms.analysis.recorder`), and those estimates follow a formula; a
+# dilated convolution whose kernel spans more than its input (DeepLabV3's atrous pooling at
+# 256 px) took 102 MiB where 19.75 were estimated, and its step passed its CPU budget. So on a
+# CPU the timing process, once an op is timed, runs it once more and reads how far the heap in
+# use rose (the measure of a CPU step: Note [The C heap in use, not the resident set, measures a
+# CPU step] in `lms.runtime.heap`), sampled on a thread while the op runs, and how far the
+# resident set's peak rose, which is exact but counts only the pages written; the larger, less
+# the outputs the op made, is its scratch there. The simulator takes the larger of that and the
+# estimate (`lms.core.devices.OpTimings.scratch`): a reading can fall short (a peak between
+# samples, pages the heap kept from the runs before where the step's threshold leaves small
+# allocations in the heap: Note [Fresh pages]), while an estimate was checked against the step.
+# A card's is not read: cuDNN picks its algorithm, and so its workspace, by the memory free when
+# it runs, which in a timing process is most of the card, and in a step under a budget is not.
+_SAMPLE_S = 1e-4
+"""How often the heap in use is read while an op's scratch is measured."""
+
+
+def _scratch_taken(op: Any, args: Any, kwargs: Any) -> int | None:
+    """Bytes one run of ``op`` took on the CPU beyond the outputs it made (Note [An op's
+    scratch, measured where it is timed]); None where neither the heap in use nor the peak
+    resident set can be read."""
+    given = {t.untyped_storage().data_ptr() for t in _tensors(args, kwargs)}
+    exact = reset_peak_rss()
+    with PeakMemory(interval_s=_SAMPLE_S) as sampled:
+        out = op(*args, **kwargs)
+    peak = peak_rss_bytes() if exact else None
+    growths = [
+        sampled.heap_growth_bytes,
+        None if peak is None else peak - sampled.start_rss_bytes,
+    ]
+    if all(g is None for g in growths):
+        return None
+    made = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in _tensors(out)
+        if t.untyped_storage().data_ptr() not in given
+    }
+    return max(max(g for g in growths if g is not None) - sum(made.values()), 0)
+
+
+def _tensors(*trees: Any) -> list[torch.Tensor]:
+    """The strided tensors in ``trees``."""
+    leaves = [leaf for tree in trees for leaf in tree_flatten(tree)[0]]
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.layout == torch.strided]
 
 
 def _one_run(op: Any, args: Any, kwargs: Any, device: torch.device) -> float:

@@ -201,9 +201,11 @@ def _replayed(record: StepRecord, measured: list[float | None]) -> tuple[DeviceS
     trace, plan, spec, half = record.trace, record.plan, record.spec, record.half
     write_log = plan is not None and bool(plan.recompute)
     overhead = spec.op_overhead_s + (spec.write_log_op_s if write_log else 0.0)
+    tuned = spec.op_timings  # its scratch measured where the tune timed its ops
     timings = OpTimings(
         trace.fingerprint(),
         tuple(None if s is None else max(s - overhead, 0.0) for s in measured),
+        scratch=tuned.scratch if tuned is not None else (),
     )
     replayed = dataclasses.replace(spec, copies_take_compute=False).with_op_timings(timings)
     clock = Clock(trace, plan, replayed, op_seconds(trace, replayed, half, write_log=write_log))

@@ -43,6 +43,8 @@ __all__ = [
     "PeakMemory",
     "current_rss_bytes",
     "heap_in_use_bytes",
+    "peak_rss_bytes",
+    "reset_peak_rss",
     "map_alone_from",
     "release_freed_memory",
     "trim_heap",
@@ -131,6 +133,31 @@ def current_rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reset_peak_rss() -> bool:
+    """Set this process's peak resident set (``VmHWM``) to its resident set now, so that
+    `peak_rss_bytes` reads the peak from here on; False where the system cannot (not Linux, or
+    a kernel without it)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident set (``VmHWM``) since it started or since `reset_peak_rss`;
+    None where the system does not say."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class PeakMemory:
     """``with PeakMemory() as peak: ...`` then ``peak.growth_bytes``: how much the block added at
     most to the heap in use (to the resident set where that is not counted)."""
@@ -167,6 +194,11 @@ class PeakMemory:
         assert self._thread is not None
         self._thread.join()
         self._note()
+
+    @property
+    def start_rss_bytes(self) -> int:
+        """The resident set at the block's start."""
+        return self._start[0]
 
     @property
     def rss_growth_bytes(self) -> int:

@@ -102,6 +102,27 @@ def test_record_holds_each_copy_wait_and_op_and_reads_back_equal(spill_dir, tmp_
     assert result.measured_copy_s > 0 and result.predicted_copy_s > 0
 
 
+def test_a_record_keeps_and_replays_the_scratch_its_ops_were_measured_to_take(spill_dir):
+    """Note [An op's scratch, measured where it is timed]: the record's spec keeps what the
+    timing process measured, and the replay prices the peak with it."""
+    import dataclasses
+
+    from lms.core.devices import OpTimings
+    from lms.core.steprecord import StepRecord
+
+    _, _, offload = _recorded(spill_dir, steps=1)
+    record = offload.step_record()
+    trace = record.trace
+    scratch = [None] * len(trace.ops)
+    scratch[len(trace.ops) - 1] = 256 * 2**20  # the last op: a peak of its own
+    seconds = tuple(1e-3 for _ in trace.ops)
+    timings = OpTimings(trace.fingerprint(), seconds, scratch=tuple(scratch))
+    measured = dataclasses.replace(record, spec=record.spec.with_op_timings(timings))
+    again = StepRecord.from_dict(json.loads(json.dumps(measured.to_dict())))
+    assert again.spec.op_timings.scratch == tuple(scratch)
+    assert replay(again).predicted_peak_bytes > replay(record).predicted_peak_bytes + 200 * 2**20
+
+
 def test_an_op_that_runs_no_kernel_is_recorded_without_marks_of_its_own(spill_dir):
     """Note [One clock for a step record]: views, `set_` and `empty` (the runtime's own among
     them) take the last op's end as their start and end; a view reads no allocator either."""

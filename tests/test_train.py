@@ -207,6 +207,24 @@ def volume_segmenter():
     )
 
 
+class _LateStem(torch.nn.Module):
+    """Its cells defined before the stem that runs first, as MONAI's DiNTS does."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = torch.nn.Conv3d(6, 6, 3, padding=1)
+        self.stem = torch.nn.Conv3d(1, 6, 3, padding=1)
+        self.head = torch.nn.Conv3d(6, 2, 1)
+
+    def forward(self, x):
+        return self.head(self.cell(self.stem(x)))
+
+
+def late_stem():
+    """1 channel of 3D volumes in (the convolution it runs first), 2 classes a voxel out."""
+    return _LateStem()
+
+
 def signal_regressor():
     """1D signals of 1 channel in, one value a sample out."""
     return torch.nn.Sequential(
@@ -361,6 +379,7 @@ def tiny_whisper():
     "builder, shapes",
     [
         ("volume_segmenter", [[1, 2, 12, 12, 12], [1, 12, 12, 12]]),
+        ("late_stem", [[1, 1, 12, 12, 12], [1, 12, 12, 12]]),
         ("drop_rated_segmenter", [[1, 1, 12, 12], [1, 12, 12]]),
         ("as_tensor_residual", [[1, 2, 12, 12], [1, 12, 12]]),
         ("signal_regressor", [[1, 1, 12], [1, 1]]),

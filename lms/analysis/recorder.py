@@ -665,8 +665,8 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # times at DeepLabV3's atrous pooling; where a plan is tuned on the CPU it runs on, the timing
 # process measures each op's scratch, and the simulator takes the larger (Note [An op's scratch,
 # measured where it is timed] in `lms.orchestration.timing`). The simulator counts scratch for
-# the "cpu" spec only (`DeviceSpec.cpu_scratch`). The sizes measured per kernel, and how close the estimates came:
-# benchmarks/results/README.md, "Convolution scratch on the CPU".
+# the "cpu" spec only (`DeviceSpec.cpu_scratch`). The sizes measured per kernel, and how close
+# the estimates came: benchmarks/results/README.md, "Convolution scratch on the CPU".
 _CONVOLUTIONS = {"aten.convolution.default", "aten.convolution_backward.default"}
 _CHANNEL_BLOCK = 16
 

@@ -486,16 +486,29 @@ def _imported(
     # already there fails in the convolution. Where a one-channel 1D convolution comes first
     # and the batch with the channel fails, the batch without it is tried, and kept if it runs.
     waveform = [False]  # whether the batch drops that channel, once a probe has found it must
+    # Note: [The convolution that runs first]
+    # The first convolution a model defines is mostly the first it runs, but not always: MONAI's
+    # DiNTS defines its search space's cells, of 32 channels, before the stem that takes its one.
+    # Where the batch of the first one's channels fails, the channels of the model's other
+    # convolutions of that kind are tried in the order it defines them, and the first that runs
+    # is kept.
+    channels = [getattr(first, "in_channels", 0)]
+    others = list(
+        dict.fromkeys(
+            m.in_channels
+            for m in probe.modules()
+            if type(m) is type(first) and getattr(m, "in_channels", channels[0]) != channels[0]
+        )
+    )
 
     def inputs_of(size: int, batch: int) -> torch.Tensor:
         if isinstance(first, torch.nn.Embedding):
             return torch.randint(0, first.num_embeddings, (batch, size))
-        assert isinstance(first, torch.nn.modules.conv._ConvNd)
         if frames is not None:
-            return torch.randn(batch, first.in_channels, frames, size, size)
+            return torch.randn(batch, channels[0], frames, size, size)
         if waveform[0]:
             return torch.randn(batch, size)
-        return torch.randn(batch, first.in_channels, *[size] * dims)
+        return torch.randn(batch, channels[0], *[size] * dims)
 
     def may_be_waveform() -> bool:
         return isinstance(first, torch.nn.Conv1d) and first.in_channels == 1 and not waveform[0]
@@ -563,6 +576,23 @@ def _imported(
                 else:
                     waveform[0] = True
                     return _targets(inputs_of(size, batch), shape)
+            taken = channels[0]
+            for other in others:  # Note [The convolution that runs first]
+                channels[0] = other
+                try:
+                    shape = shape_of(inputs_of(size, batch), size)
+                except Exception:  # nor these channels
+                    continue
+                log.info(
+                    "[LMS] %s takes %d channels in (the first convolution it defines takes %d, "
+                    "but does not run first)",
+                    name,
+                    other,
+                    taken,
+                )
+                others.clear()  # found: the batch keeps its channels from now on
+                return _targets(inputs_of(size, batch), shape)
+            channels[0] = taken
             raise BatchRejectedError(
                 f"lms: model={name!r} fails on a batch of shape {list(inputs.shape)}: "
                 f"{type(error).__name__}: {error}; try another size or batch size"

@@ -94,13 +94,20 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         required=True,
         help=_MODEL_HELP,
     )
-    size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--image-size", type=_count, metavar="N", help="edge in pixels or voxels")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
+        "--image-size",
+        type=_count,
+        metavar="N",
+        help="edge in pixels or voxels (default: the model's own, as 224 for an ImageNet "
+        "classifier or 96 for a 3D net)",
+    )
     size.add_argument(
         "--seq-len",
         type=_count,
         metavar="N",
-        help="sequence length, for a model of tokens (tinylm, gpt2, llama, a builder of yours)",
+        help="sequence length, for a model of tokens (tinylm, gpt2, llama, a builder of yours; "
+        "default: the model's own, as 512)",
     )
     parser.add_argument("--batch-size", type=_count, default=None, help=_BATCH_HELP)
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
@@ -537,6 +544,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.start = args.seq_len
                 else:
                     args.image_size = args.seq_len
+            if args.command in ("analyze", "train") and args.image_size is None:
+                args.image_size = entry.default_size
+                log.info(
+                    "[LMS] %s at its default size, %s (--image-size or --seq-len sets another)",
+                    args.model,
+                    entry.sized(args.image_size),
+                )
             if args.command == "sweep" and args.step is None:
                 if args.start is None:
                     raise ValueError(

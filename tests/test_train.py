@@ -405,6 +405,18 @@ def test_an_imported_builder_is_fed_what_its_first_convolution_takes(builder, sh
     assert main([*argv, "--steps", "1", "--budget", "1GiB", "--json", str(out)]) == 0
 
 
+@pytest.mark.parametrize(
+    "builder, shape", [("volume_segmenter", [1, 2, 96, 96, 96]), ("token_classifier", [1, 512])]
+)
+def test_a_model_without_a_size_is_taken_at_its_default(builder, shape, tmp_path, caplog):
+    out = tmp_path / "r.json"
+    with caplog.at_level("INFO", logger="lms"):
+        argv = ["analyze", "--model", f"tests.test_train:{builder}", "--json", str(out)]
+        assert main(argv) == 0
+    assert json.loads(out.read_text())["input_shapes"][0] == shape
+    assert "at its default size" in caplog.text
+
+
 @pytest.mark.parametrize("builder", ["tiny_mixtral", "tiny_gpt_oss"])
 def test_a_mixture_of_experts_in_single_precision_is_fed_its_tokens(builder):
     """Note [Grouped products the CPU takes in single precision]: the probe for the output's

@@ -303,6 +303,16 @@ def test_an_ops_scratch_is_measured_where_it_is_timed():
     assert views and all(timings.scratch[i] is None for i in views)
 
 
+def test_an_op_whose_scratch_cannot_be_read_keeps_its_time(monkeypatch):
+    def unreadable(*args):
+        raise RuntimeError("a tensor without storage")
+
+    monkeypatch.setattr(timing, "_scratch_taken", unreadable)
+    x = TensorMeta((64, 64), (64, 1), torch.float32, "cpu")
+    taken = timing._time_call("aten.mm.default", (x, x), {}, CPU)
+    assert taken is not None and taken[0] > 0 and taken[1] is None
+
+
 def test_the_simulator_takes_the_larger_of_measured_and_estimated_scratch():
     x = torch.randn(2, 960, 16, 16, requires_grad=True)
     trace = trace_step(_Atrous(), (x,), device=CPU)

@@ -641,10 +641,13 @@ def _time_call(
             total = sum(runs)
             if total >= _ENOUGH_S or len(runs) >= 3 and total >= _AT_LEAST_S:
                 break
-        scratch = _scratch_taken(op, args, kwargs) if device.type == "cpu" else None
-        return min(runs), scratch
     except Exception:  # an op that needs real data (a valid index, a positive value)
         return None
+    scratch = None
+    if device.type == "cpu":
+        with contextlib.suppress(Exception):  # its time stands without it
+            scratch = _scratch_taken(op, args, kwargs)
+    return min(runs), scratch
 
 
 # Note: [An op's scratch, measured where it is timed]

@@ -517,3 +517,22 @@ def test_a_timing_process_started_early_is_taken_and_waits_for_the_next_tune(mon
     assert len(spawned) == 3 and spawned[0].poll() is not None and spawned[2].poll() is None
     timing._end_waiting()  # as at exit
     assert all(process.poll() is not None for process in spawned) and not timing._WAITING
+
+
+def test_a_timing_process_started_early_for_a_tune_that_times_nothing_is_ended(monkeypatch):
+    """Note [The timing process starts early]: a tune that loads its plan times nothing, and the
+    process it started, still importing PyTorch, would take a core from the steps after it."""
+    timing._end_waiting()
+    spawned = []
+    real = timing._spawn
+    monkeypatch.setattr(timing, "_spawn", lambda: spawned.append(real()) or spawned[-1])
+    with timing.started_early():
+        pass
+    assert len(spawned) == 1 and spawned[0].poll() is not None and not timing._WAITING
+    with timing.started_early():  # one that timed stays, for the next tune
+        assert time_ops(_trace(_net()), CPU).timed > 0
+    with timing.started_early():  # and one left waiting is not ended by a block that started none
+        pass
+    assert len(spawned) == 2 and spawned[1].poll() is None
+    assert [worker.process for worker in timing._WAITING] == spawned[1:]
+    timing._end_waiting()

@@ -284,12 +284,13 @@ class _Atrous(torch.nn.Module):
         return self.conv(x)
 
 
-def test_an_ops_scratch_is_measured_where_it_is_timed():
+def test_an_ops_scratch_is_measured_where_it_is_timed(caplog):
     """Note [An op's scratch, measured where it is timed]: the heap's rise while the op runs,
     less its outputs; a reduction takes next to none."""
     x = torch.randn(2, 960, 16, 16, requires_grad=True)
     trace = trace_step(_Atrous(), (x,), device=CPU)
-    timings = time_ops(trace, CPU, mapped_bytes=MAPPED_ALONE_BYTES)
+    with caplog.at_level(logging.INFO, logger="lms"):
+        timings = time_ops(trace, CPU, mapped_bytes=MAPPED_ALONE_BYTES)
     assert len(timings.scratch) == len(trace.ops)
     by_name = {op.name: (op, timings.scratch[op.index]) for op in trace.ops}
     convolution, scratch = by_name["aten.convolution_backward.default"]
@@ -301,6 +302,10 @@ def test_an_ops_scratch_is_measured_where_it_is_timed():
     # views are not run, and keep none
     views = [op.index for op in trace.ops if op.name == "aten.expand.default"]
     assert views and all(timings.scratch[i] is None for i in views)
+    # the op furthest over its estimate is named, where it is a MiB over or more
+    more = scratch - convolution.cpu_scratch_bytes
+    named = "aten.convolution_backward.default at _Atrous.conv takes"
+    assert (named in caplog.text) == (more >= MAPPED_ALONE_BYTES), caplog.text
 
 
 def test_an_op_whose_scratch_cannot_be_read_keeps_its_time(monkeypatch):

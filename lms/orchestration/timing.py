@@ -24,8 +24,9 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from tqdm import tqdm
 
-from lms.core.devices import FRESH_PAGES_BYTES, OpTimings
+from lms.core.devices import FRESH_PAGES_BYTES, MAPPED_ALONE_BYTES, OpTimings
 from lms.core.records import TensorMeta, Trace
+from lms.core.units import format_bytes
 from lms.runtime.heap import (
     PeakMemory,
     map_alone_from,
@@ -140,7 +141,32 @@ def time_ops(
         len(jobs) - len(results),
         sum(taken is None for taken in results.values()),
     )
+    _tell_scratch(trace, scratch)
     return timings
+
+
+def _tell_scratch(trace: Trace, scratch: list[int | None]) -> None:
+    """Name the op whose measured scratch passes its estimate most, where that is a MiB or more
+    (Note [An op's scratch, measured where it is timed])."""
+    over = [
+        (nbytes - op.cpu_scratch_bytes, op, nbytes)
+        for op, nbytes in zip(trace.ops, scratch, strict=True)
+        if nbytes is not None
+    ]
+    most = max(over, key=lambda row: row[0], default=None)
+    if most is None or most[0] < MAPPED_ALONE_BYTES:
+        return
+    _, op, nbytes = most
+    alike = sum(1 for more, _, _ in over if more >= MAPPED_ALONE_BYTES)
+    log.info(
+        "[LMS] %s at %s takes %s of scratch while it runs, measured (estimated: %s); ops a "
+        "MiB or more over their estimates: %d, priced at what they took",
+        op.name,
+        op.module,
+        format_bytes(nbytes),
+        format_bytes(op.cpu_scratch_bytes),
+        alike,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,9 +47,10 @@ class OpTimings:
     seconds: tuple[float | None, ...]
     """By op index; None for an op not timed (priced by the spec's rates)."""
     scratch: tuple[int | None, ...] = ()
-    """By op index, the bytes each op took beyond its tensors while it ran, measured on a CPU
-    (Note [An op's scratch, measured where it is timed] in `lms.orchestration.timing`); None
-    for an op not measured, empty where none was."""
+    """By op index, the bytes each op took beyond its tensors while it ran (Note [An op's
+    scratch, measured where it is timed] in `lms.orchestration.timing`), which the simulator
+    counts for a spec with `DeviceSpec.cpu_scratch`; None for an op not measured, empty where
+    none was."""
 
     @property
     def timed(self) -> int:

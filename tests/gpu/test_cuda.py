@@ -1,5 +1,6 @@
 """On a CUDA device: bitwise equality, a stream-race stress test, real memory savings."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -503,6 +504,35 @@ def test_an_attention_with_dropout_is_timed_on_the_card(dtype):
     assert backward, [str(call.op) for call in trace.calls if call is not None]
     timings = time_ops(trace, torch.device("cuda"))
     assert all(timings.seconds[index] is not None for index in backward), timings
+
+
+def test_an_ops_scratch_on_the_card_is_measured_and_kept_but_not_counted():
+    """Note [An op's scratch, measured where it is timed]: the allocator's peak over each op,
+    less its outputs, goes into the timings; the card's spec prices the peak without it."""
+    from lms.analysis import simulate, trace_step
+    from lms.orchestration.local import local_device_spec
+    from lms.orchestration.timing import time_ops
+
+    model = nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 8, 3)).cuda()
+    x = torch.randn(8, 64, 128, 128, device="cuda")
+
+    def step(m, batch):
+        loss = m(*batch).square().mean()
+        loss.backward()
+        return loss
+
+    trace = trace_step(model, [x], step, device=torch.device("cuda"))
+    timings = time_ops(trace, torch.device("cuda"))
+    convolutions = [op.index for op in trace.ops if "convolution" in op.name]
+    assert all(timings.scratch[i] is not None and timings.scratch[i] >= 0 for i in convolutions)
+    spec = local_device_spec(torch.device("cuda"))
+    measured = [None] * len(trace.ops)
+    measured[convolutions[0]] = 2**34  # were it counted, the peak would pass 16 GiB
+    big = dataclasses.replace(timings, scratch=tuple(measured))
+    assert (
+        simulate(trace, None, spec.with_op_timings(big)).peak_bytes
+        == simulate(trace, None, spec.with_op_timings(timings)).peak_bytes
+    )
 
 
 def test_ops_timed_on_the_card_take_their_kernels_time_not_the_hosts():

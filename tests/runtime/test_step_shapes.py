@@ -94,6 +94,22 @@ def test_a_double_backward_over_an_input_is_traced_tuned_and_bitwise(tmp_path, c
     offload.close()
 
 
+def test_a_double_backward_below_its_plain_peak_is_refused_naming_the_runtimes_policy(tmp_path):
+    """Note [A double backward is left to the runtime]: the tune refuses, and says the way on;
+    the runtime's own policy moves what the step saves, bitwise and under the plain peak."""
+    model, x = _mlp(), torch.randn(512, 64)
+    ref = _run(model, _penalty, (x,))
+    trace = trace_step(model, [x], lambda m, b: _penalty(m, *b), device="cpu", min_offload_bytes=0)
+    plain = simulate(trace, None, device_spec("cpu")).peak_bytes
+    offload = lms.LMS(budget=plain // 2, tier="disk", spill_dir=str(tmp_path), min_offload_bytes=0)
+    with pytest.raises(lms.PlanInfeasibleError, match="without tune moves them"):
+        offload.tune(model, [x], lambda m, b: _penalty(m, *b))
+    for _ in range(2):
+        assert_bitwise(ref, _run(model, _penalty, (x,), offload))
+    assert offload.stats.offloaded_bytes > 0
+    offload.close()
+
+
 def test_a_reentrant_checkpoint_names_its_recomputation_and_its_least_budget(tmp_path):
     model, x = _mlp(), torch.randn(2048, 64)
     trace = trace_step(model, [x], lambda m, b: _reentrant(m, *b), device="cpu")

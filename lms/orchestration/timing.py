@@ -24,6 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from tqdm import tqdm
 
+from lms.analysis.recorder import dense_parts
 from lms.core.devices import FRESH_PAGES_BYTES, MAPPED_ALONE_BYTES, OpTimings
 from lms.core.records import TensorMeta, Trace
 from lms.core.units import format_bytes
@@ -743,9 +744,10 @@ def _scratch_taken(op: Any, args: Any, kwargs: Any, device: torch.device) -> int
 
 
 def _tensors(*trees: Any) -> list[torch.Tensor]:
-    """The strided tensors in ``trees``."""
+    """The strided tensors that hold the memory of the tensors in ``trees`` (a sparse tensor's
+    by its parts)."""
     leaves = [leaf for tree in trees for leaf in tree_flatten(tree)[0]]
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.layout == torch.strided]
+    return [p for t in leaves if isinstance(t, torch.Tensor) for p in dense_parts(t)]
 
 
 def _one_run(op: Any, args: Any, kwargs: Any, device: torch.device) -> float:

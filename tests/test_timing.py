@@ -349,6 +349,26 @@ def test_the_simulator_takes_the_larger_of_measured_and_estimated_scratch():
     assert peak(index, 2**30, card) == peak(index, None, card)
 
 
+def test_memory_an_empty_makes_is_priced_with_its_faults_though_timed():
+    """Note [Memory made but not written is faulted in by its first writer]: a CPU dropout's
+    mask is an `empty_like` filled in place; both are timed on memory whose pages are in."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.Dropout(0.1))
+    trace = trace_step(model, (torch.randn(512, 256),), device=CPU)
+    spec = DEVICES["cpu"]  # faults its allocations of a MiB and more afresh
+    seconds = tuple(1e-3 for _ in trace.ops)
+    timed = spec.with_op_timings(OpTimings(trace.fingerprint(), seconds))
+    got = op_seconds(trace, timed, False)
+    names = [op.name for op in trace.ops]
+    empty, fill = names.index("aten.empty_like.default"), names.index("aten.bernoulli_.float")
+    mask = 512 * 1024 * 4  # 2 MiB
+    assert got[empty] == pytest.approx(
+        spec.op_overhead_s + 1e-3 + mask / (spec.fresh_memory_gbps * 1e9)
+    )
+    # what an op writes as it makes it is in its own time; an op in place makes nothing
+    addmm = names.index("aten.addmm.default")
+    assert got[addmm] == got[fill] == pytest.approx(spec.op_overhead_s + 1e-3)
+
+
 def test_a_cpu_plan_is_tuned_on_the_times_of_its_own_ops(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(local, "_TIMED", {})
     model = _net(width=256)

@@ -417,6 +417,17 @@ def test_a_model_without_a_size_is_taken_at_its_default(builder, shape, tmp_path
     assert "at its default size" in caplog.text
 
 
+def test_a_torchvision_model_is_taken_at_the_size_its_weights_crop_to():
+    """Inception v3's weights crop to 299 px, and at 224 its auxiliary classifier's 5x5
+    convolution is larger than its input; the video models' to 112."""
+    pytest.importorskip("torchvision")
+    assert zoo_model("inception_v3").default_size == 299
+    assert zoo_model("r3d_18").default_size == 112
+    assert zoo_model("resnet18").default_size == 224
+    inputs, _ = zoo_model("inception_v3").make_batch(299, 2)
+    assert inputs.shape == (2, 3, 299, 299)
+
+
 @pytest.mark.parametrize("builder", ["tiny_mixtral", "tiny_gpt_oss"])
 def test_a_mixture_of_experts_in_single_precision_is_fed_its_tokens(builder):
     """Note [Grouped products the CPU takes in single precision]: the probe for the output's

@@ -398,7 +398,31 @@ def _torchvision_entry(name: str) -> ZooModel:
                 "with lms.LMS(budget=...) around your own step"
             )
     video = name in torchvision.models.list_models(module=torchvision.models.video)
-    return _imported(name, _torchvision_builder(name), frames=VIDEO_FRAMES if video else None)
+    return _imported(
+        name,
+        _torchvision_builder(name),
+        frames=VIDEO_FRAMES if video else None,
+        default_size=_recipe_size(name),
+    )
+
+
+def _recipe_size(name: str) -> int | None:
+    """The smallest edge torchvision's weights of ``name`` crop their images to (Inception v3's
+    299 px, where 224 px is too small for its auxiliary classifier); None where none says."""
+    import torchvision.models
+
+    try:
+        weights = torchvision.models.get_model_weights(name)
+    except (ValueError, KeyError):  # a model without weights
+        return None
+    sizes = []
+    for entry in weights:
+        crop = getattr(entry.transforms, "keywords", {}).get("crop_size")
+        if isinstance(crop, int):
+            sizes.append(crop)
+        elif isinstance(crop, (tuple, list)) and crop:
+            sizes.append(int(crop[0]))
+    return min(sizes, default=None)
 
 
 def _torchvision_builder(name: str) -> Callable[[], torch.nn.Module]:
@@ -439,7 +463,11 @@ _ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
 
 
 def _imported(
-    name: str, build: Callable[[], torch.nn.Module], *, frames: int | None = None
+    name: str,
+    build: Callable[[], torch.nn.Module],
+    *,
+    frames: int | None = None,
+    default_size: int | None = None,
 ) -> ZooModel:
     """A model from a builder of the user's, fed what its first input module takes: a
     convolution's batch of 1D signals, images or volumes of its channels (``size`` along each
@@ -447,7 +475,8 @@ def _imported(
     embedding's batch of ``size`` tokens of its vocabulary. Its targets are classes of its
     output's channels, per sample, pixel or token as the output has them (a token's last: a
     language model's logits), or with one channel a regression on zeros. The builder runs on
-    the meta device to find them (`on_meta`), so this mostly costs no memory.
+    the meta device to find them (`on_meta`), so this mostly costs no memory. Its size when none
+    is given is ``default_size``, else its kind's (`_DEFAULT_SIZES`).
 
     Raises:
         ValueError: the builder fails, or the model has neither a convolution nor an embedding
@@ -615,7 +644,7 @@ def _imported(
         make,
         ("tokens", "samples", "pixels", "voxels")[dims],
         (lambda s: frames * s * s) if frames is not None else (lambda s: s ** max(dims, 1)),
-        _DEFAULT_SIZES[dims],
+        default_size or _DEFAULT_SIZES[dims],
         _labelled_step if seq2seq else _token_step if dims == 0 else _classify_step,
         classifies_images=dims == 2 and getattr(first, "in_channels", 0) == 3,
         smallest_batch_at=smallest_batch,

@@ -214,8 +214,8 @@ class Recorder(TorchDispatchMode):
             out = self.values.call(func, args, kwargs)
         elif out is None:
             out = func(*args, **kwargs)
-        taken = _tensors_in((args, kwargs))
-        returned = _tensors_in(out)
+        taken = tensors_in((args, kwargs))
+        returned = tensors_in(out)
         given = {id(t) for t in taken}
         # every new fake tensor an op made (not an in-place op's input); a real one (Note [A
         # packed sequence's batch sizes are real]) is one a real step can use
@@ -473,7 +473,7 @@ def dense_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
 
 
-def _tensors_in(value: Any) -> list[torch.Tensor]:
+def tensors_in(value: Any) -> list[torch.Tensor]:
     """The tensors in an op's arguments or results, in order: a walk of the lists, tuples and
     dicts that aten's calls hold, without pytree's general machinery, which the tracer would
     otherwise spend a sixth of its time in."""
@@ -919,7 +919,7 @@ def _sequence_nr(node: Any) -> int:
 
 def _nodes(value: Any) -> list[Any]:
     """The autograd nodes that made the tensors in ``value``."""
-    return [t.grad_fn for t in _tensors_in(value) if t.grad_fn is not None]
+    return [t.grad_fn for t in tensors_in(value) if t.grad_fn is not None]
 
 
 # Note: [An op moves its tensors, not their storages]

@@ -21,10 +21,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from tqdm import tqdm
 
-from lms.analysis.recorder import dense_parts
+from lms.analysis.recorder import tensors_in
 from lms.core.devices import FRESH_PAGES_BYTES, MAPPED_ALONE_BYTES, OpTimings
 from lms.core.records import TensorMeta, Trace
 from lms.core.units import format_bytes
@@ -53,8 +53,8 @@ Job = tuple[str, tuple[Any, ...], dict[str, Any]]
 """A call to time: the overload's name (``aten.add.Tensor``), its arguments, tensors as
 `TensorMeta`."""
 _Taken = tuple[float, int | None]
-"""What a call took: its seconds, and on a CPU its scratch bytes (Note [An op's scratch,
-measured where it is timed])."""
+"""What a call took: its seconds, and its scratch bytes, None where they could not be read
+(Note [An op's scratch, measured where it is timed])."""
 
 
 # Note: [Ops are timed in a process of their own]
@@ -661,8 +661,8 @@ def _time_call(
     name: str, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> _Taken | None:
     """Seconds one run of the overload ``name`` takes on ``device`` (the fastest of a few), and
-    on a CPU the scratch it takes (Note [An op's scratch, measured where it is timed]); None
-    where it raises."""
+    the scratch it takes (Note [An op's scratch, measured where it is timed]); None where it
+    raises."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -716,7 +716,7 @@ def _scratch_taken(op: Any, args: Any, kwargs: Any, device: torch.device) -> int
     """Bytes one run of ``op`` took on ``device`` beyond the outputs it made (Note [An op's
     scratch, measured where it is timed]); None where neither the heap in use nor the peak
     resident set can be read on a CPU."""
-    given = {t.untyped_storage().data_ptr() for t in _tensors(args, kwargs)}
+    given = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs))}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -737,17 +737,10 @@ def _scratch_taken(op: Any, args: Any, kwargs: Any, device: torch.device) -> int
         return None
     made = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in _tensors(out)
+        for t in tensors_in(out)
         if t.untyped_storage().data_ptr() not in given
     }
     return max(max(g for g in growths if g is not None) - sum(made.values()), 0)
-
-
-def _tensors(*trees: Any) -> list[torch.Tensor]:
-    """The strided tensors that hold the memory of the tensors in ``trees`` (a sparse tensor's
-    by its parts)."""
-    leaves = [leaf for tree in trees for leaf in tree_flatten(tree)[0]]
-    return [p for t in leaves if isinstance(t, torch.Tensor) for p in dense_parts(t)]
 
 
 def _one_run(op: Any, args: Any, kwargs: Any, device: torch.device) -> float:

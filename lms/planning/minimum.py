@@ -103,12 +103,11 @@ def _backward_again(trace: Trace) -> bool:
     """Whether a backward runs after the first one ended, reading what was saved after forward
     (Note [A double backward is left to the runtime]); a reentrant checkpoint's saves in
     backward are read in the same backward."""
-    ops = trace.ops
-    phases = [op.phase for op in ops]
+    phases = [op.phase for op in trace.ops]
     ended = next((i for i, phase in enumerate(phases) if phase == "optimizer"), None)
     if ended is None or "backward" not in phases[ended:]:
         return False
-    return any(ops[min(op, len(ops) - 1)].phase != "forward" for _, _, op in trace.entries())
+    return any(op >= trace.backward_start_op for _, _, op in trace.entries())
 
 
 def _free_held_hint(candidates: Candidates, needed: int) -> str:

@@ -3,6 +3,7 @@ aten op, storage and saved-tensor event, and the gradient junctions backward mee
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from collections.abc import Callable, Iterator
@@ -91,6 +92,27 @@ class Recorder(TorchDispatchMode):
         # storage's died
         self.held: list[tuple[int, weakref.ref[torch.Tensor]]] = []
         self.let_go: dict[int, int] = {}
+        # Note: [What backward makes and saves]
+        # A double backward (`autograd.grad(create_graph=True)`: a gradient penalty, MAML)
+        # saves, while its first backward runs, what that backward makes and what it read from
+        # forward's saves, and reads them in the second. Moving one frees its device memory once
+        # nothing but autograd's saves holds it, as in forward (Note [Tensors the step's code
+        # holds]): so the trace watches the tensors each op makes after forward, and keeps when
+        # the last of each storage died (`StorageRecord.last_held_op`). A copy read back lives
+        # while the node that read it runs, not only for the op that first reads it: the trace
+        # hands each read an alias of its own and watches it and the views made of it
+        # (`SavedEvent.held_to`). The runtime finds a storage it brought back by its entry
+        # (Note [A storage brought back is its entry's storage]), so that a save of it keeps
+        # the plan's ordinals. An R1 penalty on an MLP, planned at 85% of its peak, measured
+        # its simulated peak, bitwise: benchmarks/results/README.md, "A double backward under a
+        # plan".
+        self.made_late: set[int] = set()
+        self.read_back: dict[int, int] = {}  # storage: index in events of its latest read
+        self.read_held: dict[int, int] = {}  # read's index in events: when what it gave died
+        self.reads_held: list[tuple[int, weakref.ref[torch.Tensor]]] = []
+        self.packing = False
+        self.late_held: list[tuple[int, weakref.ref[torch.Tensor]]] = []
+        self.late_let_go: dict[int, int] = {}
 
     def close(self) -> None:
         """Let go of the step's autograd nodes: the hooks on junctions call back here, and a
@@ -180,6 +202,22 @@ class Recorder(TorchDispatchMode):
 
         return callback
 
+    def _watch_late(self, value: torch.Tensor, sid: int, new: bool) -> None:
+        """Watch ``value``, made after forward, for when it dies (Note [What backward makes and
+        saves]): as a view of what a read gave, or of a storage made after forward."""
+        read = self.read_back.get(sid)
+        if read is not None:  # a view of what backward read: of the copy brought back
+            self.reads_held.append((read, weakref.ref(value, self._read_dropped(read))))
+        elif new or sid in self.made_late:
+            self.made_late.add(sid)
+            self.late_held.append((sid, weakref.ref(value, self._dropped_late(sid))))
+
+    def _dropped_late(self, sid: int) -> Callable[[Any], None]:
+        def callback(_: Any) -> None:
+            self.late_let_go[sid] = max(self.late_let_go.get(sid, -1), len(self.ops) - 1)
+
+        return callback
+
     def register(self, tensors: Iterator[torch.Tensor], kind: str) -> int:
         total = 0
         for tensor in tensors:
@@ -224,6 +262,10 @@ class Recorder(TorchDispatchMode):
         )
         name = str(func)
         if name in SKIPPED_OPS:
+            if self.seen_backward and not self.packing and self.phase() != "forward":
+                for value in returned:  # a detached view of what backward made or read
+                    if id(value) not in given:
+                        self._watch_late(value, *self.storage_id(value))
             return out
         index = len(self.ops)
         if self.max_ops is not None and index >= self.max_ops:
@@ -243,6 +285,8 @@ class Recorder(TorchDispatchMode):
                 outputs[sid] = self.nbytes[sid]
             if phase == "forward" and id(value) not in given:
                 self.held.append((sid, weakref.ref(value, self._dropped(sid))))
+            elif phase != "forward" and id(value) not in given:
+                self._watch_late(value, sid, new)
         level = 1
         for sid in inputs:
             producer = self.writer.get(sid)
@@ -310,7 +354,11 @@ class Recorder(TorchDispatchMode):
         edge = junctions.edge_of(tensor) if offloadable and sid not in self.edge_of else None
         if edge is not None:
             self.edge_of[sid] = edge
-        return _Saved(tensor, self)
+        self.packing = True  # the save's own alias holds nothing a step would
+        try:
+            return _Saved(tensor, self)
+        finally:
+            self.packing = False
 
     def unpack(self, saved: _Saved) -> torch.Tensor:
         tensor = saved.tensor
@@ -337,10 +385,34 @@ class Recorder(TorchDispatchMode):
         self.level += 1
         sid, _ = self.storage_id(tensor)
         save = self.last_save[sid]
+        self.read_back[sid] = len(self.events)
+        self.read_held[len(self.events)] = len(self.ops)
         self.events.append(
             SavedEvent(self.level, len(self.ops), "use", sid, self.nbytes[sid], save.offloadable)
         )
-        return tensor
+        # an alias of its own, so that the trace sees when the node that read it lets it go
+        alias = tensor.detach() if isinstance(tensor, FakeTensor) else tensor
+        if alias is not tensor:
+            read = len(self.events) - 1
+            self.reads_held.append((read, weakref.ref(alias, self._read_dropped(read))))
+        return alias
+
+    def _read_dropped(self, read: int) -> Callable[[Any], None]:
+        def callback(_: Any) -> None:
+            self.read_held[read] = max(self.read_held[read], len(self.ops) - 1)
+
+        return callback
+
+    def saved_events(self) -> tuple[SavedEvent, ...]:
+        """The saved-tensor events, each read with the op after which what it gave died."""
+        last = len(self.ops) - 1
+        for read, ref in self.reads_held:
+            if ref() is not None:
+                self.read_held[read] = last
+        return tuple(
+            dataclasses.replace(event, held_to=self.read_held[k]) if k in self.read_held else event
+            for k, event in enumerate(self.events)
+        )
 
     # -- gradient junctions: watched, left as the engine does them ---------------------------
     def arrive(self, key: Any, partial: torch.Tensor, last: bool) -> torch.Tensor:
@@ -391,6 +463,9 @@ class Recorder(TorchDispatchMode):
         for sid, ref in self.held:
             if ref() is not None:
                 self.let_go[sid] = last
+        for sid, ref in self.late_held:
+            if ref() is not None:
+                self.late_let_go[sid] = last
         storages = []
         for sid, nbytes in enumerate(self.nbytes):
             kind = self.kind[sid]
@@ -407,6 +482,7 @@ class Recorder(TorchDispatchMode):
                     free_op=self.free_op[sid],
                     last_forward_op=max(self.last_forward[sid], self.let_go.get(sid, -1)),
                     last_read_op=self.last_forward[sid],
+                    last_held_op=self.late_let_go.get(sid, -1),
                 )
             )
         return storages

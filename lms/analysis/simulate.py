@@ -454,7 +454,7 @@ class _Residency:
     def _remade(self, record: StorageRecord, ordinal: int) -> None:
         """Freed after forward; made again, with its scratch storages, before backward's use."""
         clock = self.clock
-        last = record.free_op if record.id in clock.trace.held else record.last_forward_op
+        last = record.free_op if record.id in clock.trace.held else record.let_go_op
         self._add(record, self._begin(record), clock.op_end(last))
         if ordinal not in clock.recompute_start:
             return
@@ -508,14 +508,15 @@ class _Residency:
             # the copy frees nothing, and what comes back is another copy.
             self._add(record, begin, finish)
         else:
-            out = max(clock.out_done[ordinal], clock.op_end(record.last_forward_op))
+            out = max(clock.out_done[ordinal], clock.op_end(record.let_go_op))
             self._add(record, begin, out)
         if ordinal in clock.in_issue:
             # Per use when read back per use: held from each load to the end of that use.
             uses = clock.later_uses.get(ordinal, [])
             starts = [clock.in_issue[ordinal], *clock.reload_start.get(ordinal, [])]
             served = [clock.first_use[record.id], *uses][: len(uses)]
-            ends = [*(clock.op_end(op) for op in served), finish]
+            read_ends = clock.trace.read_ends
+            ends = [*(clock.op_end(read_ends[record.id, op]) for op in served), finish]
             for load_s, end_s in zip(starts, ends, strict=True):
                 self._add(record, load_s, end_s, "reloaded")
         self._hold(ordinal, finish, record.nbytes)

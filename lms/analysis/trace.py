@@ -868,7 +868,7 @@ def trace_step(
         calls=tuple(recorder.calls),
         modules=tuple(recorder.called),
         storages=tuple(storages),
-        events=tuple(recorder.events),
+        events=recorder.saved_events(),
         param_bytes=param_bytes,
         buffer_bytes=buffer_bytes,
         input_bytes=input_bytes,

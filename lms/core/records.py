@@ -110,6 +110,19 @@ class StorageRecord:
     the step's code holds])."""
     last_read_op: int = -1
     """Last forward op that read or wrote it (-1 if none), however long the code holds it."""
+    last_held_op: int = -1
+    """For one made once forward was over (by a backward, as a double backward saves it): the
+    op after which the last tensor of it outside autograd's saves died (-1 for one made in
+    forward, or in records made before it was kept). Note [What backward makes and saves]."""
+
+    @property
+    def let_go_op(self) -> int | None:
+        """The op after which autograd's saves alone hold it, where a copy out frees it:
+        `last_forward_op` for what forward made, `last_held_op` for what came later; for those
+        without either, its free (None: it outlives the step)."""
+        if self.last_forward_op >= 0 or self.alloc_op < 0:
+            return self.last_forward_op
+        return self.last_held_op if self.last_held_op >= 0 else self.free_op
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +138,9 @@ class SavedEvent:
     nbytes: int
     offloadable: bool
     """False for parameters, buffers, leaves that require grad, and tensors below the size floor."""
+    held_to: int = -1
+    """For a read: the op after which the tensor it gave, and the views made of it, died (the
+    node that read it returned); -1 in records made before it was kept."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,13 +259,21 @@ class Trace:
         """Storages that may move but that the step's code holds into backward (a variable that
         keeps the model's output while backward runs, a tensor a module keeps): moving one frees
         nothing (Note [Tensors the step's code holds])."""
-        start = self.backward_start_op
-        return frozenset(
-            storage
-            for storage, _, _ in self._entries
-            if self.storages[storage].alloc_op >= 0
-            and self.storages[storage].last_forward_op >= start
-        )
+        start, first_use = self.backward_start_op, self.first_use_op()
+        held = set()
+        for storage, _, _ in self._entries:
+            record = self.storages[storage]
+            if record.alloc_op < 0:
+                continue
+            if record.alloc_op < start and record.last_forward_op >= start:
+                held.add(storage)
+            elif record.alloc_op >= start:
+                # made after forward (Note [What backward makes and saves]): held to its first
+                # read, moving it frees nothing
+                let_go = record.let_go_op
+                if let_go is None or let_go >= first_use.get(storage, len(self.ops)):
+                    held.add(storage)
+        return frozenset(held)
 
     @functools.cached_property
     def event_ops(self) -> list[int]:
@@ -304,6 +328,18 @@ class Trace:
         first = self.first_use_levels
         ordinals = [i for i, (storage, _, _) in enumerate(self._entries) if storage in first]
         return tuple(sorted(ordinals, key=lambda i: first[self._entries[i][0]]))
+
+    @functools.cached_property
+    def read_ends(self) -> dict[tuple[int, int], int]:
+        """For each read of a saved storage in backward, by ``(storage, op)`` as `use_ops` names
+        it: the op after which what that read gave died (the op itself where the record does
+        not say); do not mutate it. A copy read back for that use alone lives until then."""
+        ends: dict[tuple[int, int], int] = {}
+        for event in self.events:
+            if event.kind == "use":
+                key = (event.storage, event.op)
+                ends[key] = max(ends.get(key, event.op), event.held_to)
+        return ends
 
     def first_use_op(self) -> dict[int, int]:
         """For each saved storage, the op index of its first read in backward."""

@@ -46,7 +46,7 @@ from lms.core.devices import DeviceSpec
 from lms.core.extras import require
 from lms.core.plan import Plan
 from lms.core.recipes import recipes
-from lms.core.records import Trace
+from lms.core.records import StorageRecord, Trace
 from lms.planning.candidates import Candidates
 from lms.planning.greedy.polish import polish
 from lms.planning.greedy.shared import VARIANTS
@@ -182,7 +182,7 @@ class _Program:
         # A storage moved or remade leaves once forward no longer reads it, and is back by
         # backward's first read of it.
         self.saved_at = numpy.array(
-            [max(op, storages[storage].last_forward_op) + 1 for storage, _, op in entries],
+            [max(op, _let_go(storages[storage], end)) + 1 for storage, _, op in entries],
             dtype=numpy.int64,
         )
         self.used_at = numpy.maximum(
@@ -326,3 +326,10 @@ class _Program:
                     row[in_wait] = -1.0
                     rows.append((row, -numpy.inf, float(self.starts[edges[last + 1]]) - begin))
         return rows
+
+
+def _let_go(record: StorageRecord, end: int) -> int:
+    """The op after which only autograd's saves hold ``record`` (`StorageRecord.let_go_op`),
+    ``end`` for one that outlives the step."""
+    let_go = record.let_go_op
+    return end if let_go is None else let_go

@@ -9,7 +9,6 @@ import logging
 from lms.analysis.simulate import SimResult
 from lms.core.errors import PlanInfeasibleError
 from lms.core.plan import Plan
-from lms.core.records import Trace
 from lms.core.units import format_bytes
 from lms.planning.candidates import Candidates
 from lms.planning.spans import emptiable
@@ -73,19 +72,6 @@ def smallest_plan(candidates: Candidates, first: str = "relieve") -> tuple[Plan,
             "the batch: raise the budget, or shard the weights over processes (FSDP)"
         )
     remedy += _free_held_hint(candidates, result.peak_bytes)
-    if result is plain and _backward_again(trace):
-        # Note: [A double backward is left to the runtime]
-        # A step that saves tensors while its backward runs and reads them in a later backward
-        # (a gradient penalty's `autograd.grad(create_graph=True)`, MAML's inner steps) is
-        # priced as if each were read soon after, so moving any raises the simulated peak; the
-        # runtime's own policy moves them as the step saves them. An R1 penalty on an MLP grew
-        # the heap by 26.5 MiB without offload and 16.5 MiB under `LMS(budget="20MiB")`
-        # without a plan, bitwise.
-        remedy += (
-            "; this step saves tensors while its backward runs (a double backward), which a "
-            "plan prices as read at once: LMS(budget=...) without tune moves them as the step "
-            "saves them"
-        )
     raise PlanInfeasibleError(
         f"lms: budget {format_bytes(candidates.budget_bytes)} is below the "
         f"{format_bytes(result.peak_bytes)} that the step needs {how}: "
@@ -97,17 +83,6 @@ def smallest_plan(candidates: Candidates, first: str = "relieve") -> tuple[Plan,
         op_bytes=largest.working_set_bytes,
         min_budget_bytes=result.peak_bytes,
     )
-
-
-def _backward_again(trace: Trace) -> bool:
-    """Whether a backward runs after the first one ended, reading what was saved after forward
-    (Note [A double backward is left to the runtime]); a reentrant checkpoint's saves in
-    backward are read in the same backward."""
-    phases = [op.phase for op in trace.ops]
-    ended = next((i for i, phase in enumerate(phases) if phase == "optimizer"), None)
-    if ended is None or "backward" not in phases[ended:]:
-        return False
-    return any(op >= trace.backward_start_op for _, _, op in trace.entries())
 
 
 def _free_held_hint(candidates: Candidates, needed: int) -> str:

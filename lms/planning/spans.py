@@ -94,6 +94,8 @@ def emptiable(trace: Trace) -> dict[int, int]:
     found = {}
     for ordinal, (storage, _, _) in enumerate(trace.entries()):
         record = storages[storage]
+        if record.alloc_op >= trace.backward_start_op:
+            continue  # made after forward: Note [What backward makes and saves]
         code_holds = (
             record.alloc_op < 0
             or storage in trace.held_by_code

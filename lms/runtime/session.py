@@ -814,6 +814,16 @@ class Session:
                 storage, waited = self._offloader.fetch(entry, hold=hold)
             self.stats.wait_s += waited
             self.stats.reloaded_bytes = self._offloader.loaded_bytes
+            if storage is not entry.storage:
+                # Note: [A storage brought back is its entry's storage]
+                # The trace sees one storage where the runtime brings a copy back: a double
+                # backward (a gradient penalty, MAML) saves what the first backward read, and a
+                # reentrant checkpoint saves its reloaded input as its recomputation runs. Found
+                # by its entry, such a save is a twin of it under its ordinal (Note [A storage
+                # copied again keeps its place in the plan]) rather than a new entry that
+                # shifts every later ordinal off the plan's.
+                slot = (str(storage.device), storage.data_ptr())
+                self._by_storage[slot] = (weakref.ref(storage), entry)
         out = torch.empty(0, dtype=packed.dtype, device=entry.device)
         return out.set_(storage, packed.offset, packed.size, packed.stride)
 

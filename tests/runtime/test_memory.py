@@ -547,3 +547,53 @@ def test_a_cpu_budget_holds_for_the_resident_set(tmp_path):
     assert any("holds for this process's resident set" in line for line in result["lines"])
     assert max(result["heap"]) <= result["budget"] - result["held"], result
     assert result["resident"] <= max(result["heap"]) + 32 * 2**20, result
+
+
+PENALTY = textwrap.dedent(
+    """
+    import json, sys, torch, lms
+    from lms.analysis import simulate, trace_step
+    from lms.harness.memory import PeakMemory
+    from lms.orchestration.local import local_device_spec
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1024),
+        torch.nn.GELU(), torch.nn.Linear(1024, 1)
+    )
+    x = torch.randn(4096, 64)
+
+    def penalty(m, batch):  # an R1 gradient penalty: a double backward
+        x = batch[0].clone().requires_grad_()
+        out = m(x).sum()
+        (grad,) = torch.autograd.grad(out, x, create_graph=True)
+        loss = out + grad.square().sum()
+        loss.backward()
+        return loss.detach()
+
+    trace = trace_step(model, [x], penalty, device="cpu", min_offload_bytes=0)
+    plain = simulate(trace, None, local_device_spec(torch.device("cpu"))).peak_bytes
+    budget = int(0.9 * plain)
+    offload = lms.LMS(budget=budget, tier="disk", spill_dir=sys.argv[1], min_offload_bytes=0,
+                      cpu_resident=False)
+    plan = offload.tune(model, [x], penalty, cache_dir=sys.argv[1] + "/plans")
+    before = trace.param_bytes + trace.buffer_bytes + trace.input_bytes
+    measured = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with PeakMemory() as memory:
+            with offload:
+                penalty(model, [x])
+        measured.append(memory.growth_bytes)
+    print(json.dumps({"measured": measured, "simulated": plan.predicted_peak_bytes - before,
+                      "budget": budget - before, "moved": len(plan.offload),
+                      "diverged": offload.stats.diverged_steps}))
+    """
+)
+
+
+def test_a_double_backwards_plan_keeps_heap_growth_within_budget_and_prediction(tmp_path):
+    """Note [What backward makes and saves]: a gradient penalty planned under its plain peak."""
+    result = script_json(PENALTY, str(tmp_path))
+    assert result["moved"] > 0 and result["diverged"] == 0, result
+    assert max(result["measured"]) <= result["budget"], result  # the first step too
+    assert abs(max(result["measured"][1:]) / result["simulated"] - 1) <= 0.02, result

@@ -94,11 +94,13 @@ def test_planner_reads_back_per_use_only_when_holding_cannot_fit():
 
 class ReuseThrice(Reuse):
     """``h`` is read in backward at two places and meets three partial gradients: relieving the
-    junction moves three copies where reading ``h`` back moves one."""
+    junction moves three copies where reading ``h`` back moves one. ``b`` is wide, so that the
+    peak falls inside its backward, where no node holds ``h`` (a read lives while its node
+    runs: `Trace.read_ends`)."""
 
     def __init__(self):
         super().__init__()
-        self.b = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256))
+        self.b = nn.Sequential(nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 256))
 
     def forward(self, x):
         h = torch.tanh(self.a(x))

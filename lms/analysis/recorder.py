@@ -208,7 +208,7 @@ class Recorder(TorchDispatchMode):
         read = self.read_back.get(sid)
         if read is not None:  # a view of what backward read: of the copy brought back
             self.reads_held.append((read, weakref.ref(value, self._read_dropped(read))))
-        elif new or sid in self.made_late:
+        elif sid in self.made_late or (new and torch.is_grad_enabled()):  # what may be saved
             self.made_late.add(sid)
             self.late_held.append((sid, weakref.ref(value, self._dropped_late(sid))))
 
@@ -262,7 +262,7 @@ class Recorder(TorchDispatchMode):
         )
         name = str(func)
         if name in SKIPPED_OPS:
-            if self.seen_backward and not self.packing and self.phase() != "forward":
+            if (self.read_back or self.made_late) and not self.packing:
                 for value in returned:  # a detached view of what backward made or read
                     if id(value) not in given:
                         self._watch_late(value, *self.storage_id(value))
@@ -385,16 +385,17 @@ class Recorder(TorchDispatchMode):
         self.level += 1
         sid, _ = self.storage_id(tensor)
         save = self.last_save[sid]
-        self.read_back[sid] = len(self.events)
-        self.read_held[len(self.events)] = len(self.ops)
         self.events.append(
             SavedEvent(self.level, len(self.ops), "use", sid, self.nbytes[sid], save.offloadable)
         )
+        if not save.offloadable or not isinstance(tensor, FakeTensor):
+            return tensor
         # an alias of its own, so that the trace sees when the node that read it lets it go
-        alias = tensor.detach() if isinstance(tensor, FakeTensor) else tensor
-        if alias is not tensor:
-            read = len(self.events) - 1
-            self.reads_held.append((read, weakref.ref(alias, self._read_dropped(read))))
+        read = len(self.events) - 1
+        self.read_back[sid] = read
+        self.read_held[read] = len(self.ops)
+        alias = tensor.detach()
+        self.reads_held.append((read, weakref.ref(alias, self._read_dropped(read))))
         return alias
 
     def _read_dropped(self, read: int) -> Callable[[Any], None]:

@@ -542,20 +542,18 @@ class Session:
         changes some in place between saves. As a new entry, that copy would shift every later
         ordinal off the plan's, and a step of a cell loop would leave its plan at its first
         cell. So does a storage saved again after autograd let go of all its saves (the indices
-        that unsort a packed sequence). Where a step follows a plan, such a save is a twin
-        instead: an entry of the same ordinal, outside the step's list, moved out where the
-        plan moves that ordinal (else kept) and read back when backward reads it. A copy it
-        makes is one the simulator does not price. Only under a plan that recomputes nothing:
+        that unsort a packed sequence). Such a save is a twin instead: an entry of the same
+        ordinal, outside the step's list, moved out where the plan (or, without one, the record
+        of the step before) moves that ordinal, else kept, and read back when backward reads it.
+        A copy it makes is one the simulator does not price. Without a plan, steps then count
+        their saves alike whichever storages the budget moved out, and follow their records.
+        Not under a plan that recomputes:
         a replay names its inputs by entry (Note [Name a recipe's inputs by entry]), and which
         of the two copies holds the bytes an input was read with is not followed; a step of a
         plan that replays leaves it there, as any step whose saves are not the plan's.
         """
-        if not (
-            self._follow.following(step)
-            and self.plan is not None
-            and not self.plan.recompute
-            and step.owns(entry)
-        ):
+        replays = self.plan is not None and bool(self.plan.recompute)
+        if step.diverged or replays or not step.owns(entry):
             return False
         if entry.released:
             return True

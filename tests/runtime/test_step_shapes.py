@@ -120,6 +120,23 @@ def test_a_double_backward_below_its_plain_peak_follows_its_plan_bitwise(tmp_pat
     offload.close()
 
 
+def test_a_double_backward_under_the_budgets_own_policy_follows_its_record(tmp_path):
+    """Without a plan, a copy the first backward read back and saves again is a twin of its
+    entry (Note [A storage copied again keeps its place in the plan]): every step saves the
+    same entries, and the steps after the first follow its record."""
+    model, x = _mlp(), torch.randn(2048, 64)
+    ref = _run(model, _penalty, (x,))
+    trace = trace_step(model, [x], lambda m, b: _penalty(m, *b), device="cpu", min_offload_bytes=0)
+    plain = simulate(trace, None, device_spec("cpu")).peak_bytes
+    offload = lms.LMS(
+        budget=int(0.6 * plain), tier="disk", spill_dir=str(tmp_path), min_offload_bytes=0
+    )
+    for _ in range(3):
+        assert_bitwise(ref, _run(model, _penalty, (x,), offload))
+    assert offload.stats.diverged_steps == 0 and offload.stats.offloaded_bytes > 0
+    offload.close()
+
+
 def test_a_reentrant_checkpoint_names_its_recomputation_and_its_least_budget(tmp_path):
     model, x = _mlp(), torch.randn(2048, 64)
     trace = trace_step(model, [x], lambda m, b: _reentrant(m, *b), device="cpu")

@@ -282,6 +282,10 @@ class Session:
                 self._replays.checked = self.plan
             if not self._live:
                 self._offloader.tidy()
+            # storages freed since: their addresses name other storages from now on
+            self._by_storage = {
+                slot: found for slot, found in self._by_storage.items() if found[0]() is not None
+            }
             self._offloader.raise_error()
 
     def _count_retries(self, step: Step | None) -> None:

@@ -133,6 +133,8 @@ def test_a_double_backward_under_the_budgets_own_policy_follows_its_record(tmp_p
     )
     for _ in range(3):
         assert_bitwise(ref, _run(model, _penalty, (x,), offload))
+        # what found each storage's entry lets go of those freed with the step
+        assert not offload._by_storage
     assert offload.stats.diverged_steps == 0 and offload.stats.offloaded_bytes > 0
     offload.close()
 

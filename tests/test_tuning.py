@@ -324,3 +324,49 @@ def test_a_batch_shape_tells_what_its_trace_depends_on():
     channels_last = image.contiguous(memory_format=torch.channels_last)
     assert batch_shape([image]) != batch_shape([channels_last])
     assert batch_shape((image, True)) != batch_shape((image, False))
+
+
+def test_a_budget_under_the_estimated_floor_is_checked_at_the_scratch_ops_take(
+    tmp_path, monkeypatch
+):
+    """Note [A CPU's floor is checked at the scratch its ops take]: a budget below the floor at
+    the trace's estimates of the convolutions' scratch, and over the floor at what they take
+    when timed (here half, read exactly), is planned."""
+    import lms
+    from lms.analysis import trace_step
+    from lms.core.devices import OpTimings
+    from lms.orchestration.local import local_device_spec
+    from lms.planning.candidates import Candidates
+    from lms.planning.minimum import smallest_plan
+    from tests.conftest import assert_bitwise, run_step
+
+    def timed_at_half(spec, trace, device, budget=None):
+        timed = local.with_local_timings(spec, trace, device, budget)
+        half = tuple(op.cpu_scratch_bytes // 2 for op in trace.ops)
+        times = OpTimings(trace.fingerprint(), timed.op_timings.seconds, half, scratch_exact=True)
+        return spec.with_op_timings(times)
+
+    def floor(trace, spec):
+        with pytest.raises(lms.PlanInfeasibleError) as caught:
+            smallest_plan(Candidates(trace, spec, 2**20))
+        return caught.value.min_budget_bytes
+
+    monkeypatch.setattr(tuning, "with_local_timings", timed_at_half)
+    torch.manual_seed(0)
+    layers = []
+    for inputs, outputs in ((3, 64), (64, 128), (128, 256), (256, 512)):
+        layers += [torch.nn.Conv2d(inputs, outputs, 4, 2, 1), torch.nn.LeakyReLU(0.2)]
+    model = torch.nn.Sequential(*layers, torch.nn.Conv2d(512, 1, 4), torch.nn.Flatten())
+    x = torch.randn(16, 3, 64, 64)
+    trace = trace_step(model, [x], device="cpu")
+    cpu = torch.device("cpu")
+    spec = local_device_spec(cpu)
+    estimated, taken = floor(trace, spec), floor(trace, timed_at_half(spec, trace, cpu))
+    assert taken < estimated - 2**20
+    budget = (estimated + taken) // 2
+    ref = run_step(model, [x])
+    offload = lms.LMS(budget=budget, tier="disk", spill_dir=str(tmp_path), cpu_resident=False)
+    plan = offload.tune(model, [x], cache_dir=str(tmp_path / "plans"))
+    assert plan.predicted_peak_bytes <= budget
+    assert_bitwise(ref, run_step(model, [x], offload))
+    offload.close()

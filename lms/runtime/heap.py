@@ -29,7 +29,6 @@ benchmarks/results/README.md, "The resident set under a CPU budget".
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import resource
@@ -117,11 +116,14 @@ def map_alone_from(nbytes: int) -> bool:
     return done
 
 
-def trim_heap() -> None:
-    """Give back to the system what the heap keeps free now (glibc's ``malloc_trim``); nothing
-    where the allocator is not glibc's."""
-    with contextlib.suppress(AttributeError):  # not glibc
+def trim_heap() -> bool:
+    """Give back to the system what the heap keeps free now (glibc's ``malloc_trim``); False
+    where the allocator is not glibc's, and nothing is done."""
+    try:
         ctypes.CDLL(None).malloc_trim(0)
+    except AttributeError:  # not glibc
+        return False
+    return True
 
 
 def current_rss_bytes() -> int:

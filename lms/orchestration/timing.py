@@ -711,8 +711,7 @@ def _time_call(
 # kept free from the runs before would take the op's scratch without the resident set rising
 # (Note [Fresh pages]), and the heap's samples can miss a short op's peak. Over a trimmed heap
 # the resident set's peak counts every page the op touched, and the simulator takes the reading
-# as it is (`lms.core.devices.OpTimings.scratch_exact`), below the estimate too (one under a MiB,
-# a few pages that a thread's first call may take, only lowers the estimate): the backward of
+# as it is (`lms.core.devices.OpTimings.scratch_exact`), below the estimate too: the backward of
 # a 4x4 convolution of 256 to 512 channels at 8 px was estimated at 18 MiB and read at 10.5, and
 # convolutions the untrimmed heap read at 0 read at their estimates. Readings that may fall
 # short (timings kept from before, an allocator not glibc's) count as the larger of them and

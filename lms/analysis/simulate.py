@@ -586,11 +586,11 @@ def _scratch_ops(trace: Trace, spec: DeviceSpec) -> dict[int, int]:
         for index, nbytes in enumerate(timings.scratch):
             if nbytes is None:
                 continue
-            if timings.scratch_exact:
-                # every page it touched, as it is from a MiB; below, a few pages tell little,
-                # and lower the estimate only
-                if nbytes >= MAPPED_ALONE_BYTES or nbytes < found.get(index, 0):
+            if timings.scratch_exact:  # every page it touched: as it is
+                if nbytes:
                     found[index] = nbytes
+                else:
+                    found.pop(index, None)
             elif nbytes >= MAPPED_ALONE_BYTES:  # below, pages the heap had
                 found[index] = max(found.get(index, 0), nbytes)
         trace.memo[key] = found

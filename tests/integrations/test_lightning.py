@@ -17,9 +17,8 @@ pytest.importorskip("lightning")  # a dev dependency; a machine without it skips
 from lightning.pytorch import LightningModule, Trainer  # noqa: E402
 
 import lms  # noqa: E402
-from lms.analysis import trace_step  # noqa: E402
+from lms.analysis import device_spec, trace_step  # noqa: E402
 from lms.integrations.lightning import LMSCallback  # noqa: E402
-from lms.orchestration.local import local_device_spec, with_local_timings  # noqa: E402
 from tests.conftest import (  # noqa: E402
     assert_followed,
     hooks_are_gone,
@@ -121,8 +120,7 @@ def midway(precision):
     torch.manual_seed(0)
     amp = torch.bfloat16 if precision == "bf16-mixed" else None
     trace = trace_step(Net(), batch, step, device="cpu", autocast=amp, min_offload_bytes=0)
-    cpu = torch.device("cpu")  # the scratch its ops take, timed
-    return midway_budget(trace, with_local_timings(local_device_spec(cpu), trace, cpu))
+    return midway_budget(trace, device_spec("cpu"))
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ UNET = COMMON + textwrap.dedent(
     import copy, functools
     from monai.networks.nets import BasicUNet
     from lms.core.slabs import split_modules
-    from lms.orchestration.split import floor_error, fit_in_slabs
+    from lms.orchestration.split import _floor_error, fit_in_slabs
     from lms.planning import plan_auto
 
     fmt = torch.channels_last_3d
@@ -35,7 +35,7 @@ UNET = COMMON + textwrap.dedent(
     whole = traced()
     before = whole.param_bytes + whole.buffer_bytes + whole.input_bytes
     budget = before + 110 * 2**20
-    floor = floor_error(whole, spec, budget, half=False, free_held=True).min_budget_bytes
+    floor = _floor_error(whole, spec, budget, half=False, free_held=True).min_budget_bytes
     # the slabs and the plan as tune makes them, less the timing of ops and the climb for speed
     trace = fit_in_slabs(traced, spec, budget, free_held=True, trace=whole, refuse=True)
     slabs = dict(trace.slabs)
@@ -151,12 +151,12 @@ def _unet_step(model, batch):
 def test_analyze_plans_in_slabs_only_where_allowed_and_needed():
     """At a budget below the whole step's floor, `analyze` plans the step in slabs and says
     so; with ``slabs=False`` it finds no plan; at a budget the whole step fits, no slabs."""
-    from lms.orchestration.split import floor_error
+    from lms.orchestration.split import _floor_error
 
     model, x = _small_unet(), torch.randn(1, 1, 64, 64, 64)
     spec = lms.device_spec("cpu")  # no workspace margin: the tensors set the floor
     whole = lms.analyze(model, [x], _unet_step, gpu_memory="64GiB", device_spec=spec)
-    floor = floor_error(whole.trace, spec, 1, half=False, free_held=False).min_budget_bytes
+    floor = _floor_error(whole.trace, spec, 1, half=False, free_held=False).min_budget_bytes
     budget = int(floor * 0.9)
     split = lms.analyze(model, [x], _unet_step, gpu_memory=budget, device_spec=spec)
     assert split.fits and split.plan is not None and split.plan.slabs == split.trace.slabs
@@ -173,7 +173,7 @@ def test_slabs_are_not_traced_where_they_cannot_lower_the_floor():
     holds at its end: a budget under those is refused without tracing a slab (each trace in
     slabs of a long feature extractor takes half a minute)."""
     from lms.analysis import simulate, trace_step
-    from lms.orchestration.split import fit_in_slabs, floor_error
+    from lms.orchestration.split import _floor_error, fit_in_slabs
 
     wide = [torch.nn.Conv2d(256, 256, 3, padding=1) for _ in range(3)]  # weights over activations
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 256, 3, padding=1), *wide)
@@ -187,7 +187,7 @@ def test_slabs_are_not_traced_where_they_cannot_lower_the_floor():
         traced.append(slabs)
         return trace_step(model, [x], _unet_step, device="cpu", slabs=slabs)
 
-    floor = floor_error(whole, spec, 1, half=False, free_held=False).min_budget_bytes
+    floor = _floor_error(whole, spec, 1, half=False, free_held=False).min_budget_bytes
     under = spec.workspace_bytes + held - 1
     ours = spec.workspace_bytes
     assert under - ours > 0.5 * (floor - ours)  # the share of the floor searched: not what refuses
@@ -222,7 +222,7 @@ def test_a_trace_in_slabs_that_multiplies_the_steps_ops_is_stopped(caplog):
     slabs times the whole step's, and the step is planned whole."""
     from lms.analysis import trace_step
     from lms.core.slabs import SplitError
-    from lms.orchestration.split import fit_in_slabs, floor_error
+    from lms.orchestration.split import _floor_error, fit_in_slabs
 
     model = torch.nn.Sequential(
         torch.nn.Conv2d(1, 4, 3, padding=1), _DenseBlock(), torch.nn.Conv2d(28, 2, 1)
@@ -234,7 +234,7 @@ def test_a_trace_in_slabs_that_multiplies_the_steps_ops_is_stopped(caplog):
     with pytest.raises(SplitError, match=f"ran past {8 * len(whole.ops)} ops"):
         trace_step(model, [x], _unet_step, device="cpu", slabs={"1": 4}, max_ops=8 * len(whole.ops))
     spec = lms.device_spec("cpu")
-    floor = floor_error(whole, spec, 1, half=False, free_held=False).min_budget_bytes
+    floor = _floor_error(whole, spec, 1, half=False, free_held=False).min_budget_bytes
     traced = []
 
     def trace_with(slabs, max_ops=None):
@@ -252,7 +252,7 @@ def test_a_trace_in_slabs_that_multiplies_the_steps_ops_is_stopped(caplog):
 
 
 def test_a_tuned_plan_in_slabs_is_cached_and_loaded_for_its_step(tmp_path, caplog):
-    from lms.orchestration.split import floor_error
+    from lms.orchestration.split import _floor_error
 
     model, x = _small_unet(), torch.randn(1, 1, 48, 48, 48)
     from lms.analysis import trace_step
@@ -260,7 +260,7 @@ def test_a_tuned_plan_in_slabs_is_cached_and_loaded_for_its_step(tmp_path, caplo
 
     whole = trace_step(model, [x], _unet_step, device="cpu")
     spec = local_device_spec(torch.device("cpu"))
-    floor = floor_error(whole, spec, 1, half=False, free_held=False).min_budget_bytes
+    floor = _floor_error(whole, spec, 1, half=False, free_held=False).min_budget_bytes
     budget = int(floor * 0.9)
     first = lms.LMS(budget=budget).tune(model, [x], _unet_step, cache_dir=str(tmp_path))
     assert first.slabs
@@ -328,10 +328,10 @@ def test_a_submodule_that_cannot_run_in_slabs_leaves_the_step_whole(caplog):
 
     model = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1), Scaled())
     x = torch.randn(1, 1, 32, 32, 32)
-    from lms.orchestration.split import floor_error
+    from lms.orchestration.split import _floor_error
 
     whole = lms.analyze(model, [x], _unet_step, gpu_memory="64GiB", device_spec="cpu")
-    floor = floor_error(whole.trace, whole.spec, 1, half=False, free_held=False)
+    floor = _floor_error(whole.trace, whole.spec, 1, half=False, free_held=False)
     assert floor is not None
     with caplog.at_level(logging.INFO, logger="lms"):
         report = lms.analyze(

@@ -584,14 +584,7 @@ def _scratch_ops(trace: Trace, spec: DeviceSpec) -> dict[int, int]:
     if found is None:
         found = dict(estimated)
         for index, nbytes in enumerate(timings.scratch):
-            if nbytes is None:
-                continue
-            if timings.scratch_exact:  # every page it touched: as it is
-                if nbytes:
-                    found[index] = nbytes
-                else:
-                    found.pop(index, None)
-            elif nbytes >= MAPPED_ALONE_BYTES:  # below, pages the heap had
+            if nbytes is not None and nbytes >= MAPPED_ALONE_BYTES:  # below, pages the heap had
                 found[index] = max(found.get(index, 0), nbytes)
         trace.memo[key] = found
     return found  # type: ignore[no-any-return]

@@ -51,11 +51,6 @@ class OpTimings:
     scratch, measured where it is timed] in `lms.orchestration.timing`), which the simulator
     counts for a spec with `DeviceSpec.cpu_scratch`; None for an op not measured, empty where
     none was."""
-    scratch_exact: bool = False
-    """The readings were taken on a heap trimmed first, where the peak resident set counts
-    every page an op touched: the simulator takes them as they are. False for readings that may
-    fall short (kept from before, or where the allocator is not glibc's): the simulator takes
-    the larger of each and the trace's estimate."""
 
     @property
     def timed(self) -> int:
@@ -64,10 +59,8 @@ class OpTimings:
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON keeps them (`from_dict` reads it back)."""
-        return (
-            {"fingerprint": self.fingerprint, "seconds": list(self.seconds)}
-            | ({"scratch": list(self.scratch)} if self.scratch else {})
-            | ({"scratch_exact": True} if self.scratch_exact else {})
+        return {"fingerprint": self.fingerprint, "seconds": list(self.seconds)} | (
+            {"scratch": list(self.scratch)} if self.scratch else {}
         )
 
     @classmethod
@@ -81,7 +74,6 @@ class OpTimings:
             fingerprint=str(data["fingerprint"]),
             seconds=tuple(None if s is None else float(s) for s in data["seconds"]),
             scratch=tuple(None if b is None else int(b) for b in data.get("scratch", ())),
-            scratch_exact=bool(data.get("scratch_exact", False)),
         )
 
 

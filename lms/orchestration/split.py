@@ -16,14 +16,7 @@ from lms.core.units import format_bytes
 from lms.planning.candidates import Candidates
 from lms.planning.minimum import smallest_plan
 
-__all__ = [
-    "CLIMB_SIMULATIONS",
-    "SLAB_COUNTS",
-    "faster_in_slabs",
-    "fit_in_slabs",
-    "floor_error",
-    "named_slabs",
-]
+__all__ = ["CLIMB_SIMULATIONS", "SLAB_COUNTS", "faster_in_slabs", "fit_in_slabs", "named_slabs"]
 
 log = logging.getLogger("lms.orchestration.split")
 
@@ -89,7 +82,7 @@ def fit_in_slabs(
         PlanInfeasibleError: with ``refuse``, where no plan fits, even in slabs.
     """
     whole = trace if trace is not None else trace_with(slabs={})
-    first = floor_error(whole, spec, budget, half=half, free_held=free_held)
+    first = _floor_error(whole, spec, budget, half=half, free_held=free_held)
     # no slab lowers the workspace kept free for libraries, the batch, the weights, nor the
     # gradients the step ends with
     fixed = spec.workspace_bytes + whole.input_bytes + whole.weights_and_grads_bytes
@@ -131,7 +124,7 @@ def fit_in_slabs(
             )
             slabs = {}  # none of these ran
             break
-        error = floor_error(current, spec, budget, half=half, free_held=free_held)
+        error = _floor_error(current, spec, budget, half=half, free_held=free_held)
     if slabs and error is not None:
         log.info(
             "[LMS] In slabs (%s) the least a plan needs is still %s, at %s, over the budget of "
@@ -157,7 +150,7 @@ def named_slabs(slabs: dict[str, int]) -> str:
     return ", ".join(f"{name} in {count}" for name, count in sorted(slabs.items()))
 
 
-def floor_error(
+def _floor_error(
     trace: Trace, spec: DeviceSpec, budget: int, *, half: bool, free_held: bool
 ) -> PlanInfeasibleError | None:
     """Why no plan of ``trace`` fits ``budget``; None where one does."""

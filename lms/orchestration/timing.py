@@ -52,7 +52,7 @@ _CHILD = (sys.executable, "-c", "from lms.orchestration.timing import _main; _ma
 Job = tuple[str, tuple[Any, ...], dict[str, Any]]
 """A call to time: the overload's name (``aten.add.Tensor``), its arguments, tensors as
 `TensorMeta`."""
-_Taken = tuple[float, int | None, bool]
+_Taken = tuple[float, int | None]
 """What a call took: its seconds, and its scratch bytes, None where they could not be read
 (Note [An op's scratch, measured where it is timed])."""
 
@@ -122,18 +122,12 @@ def time_ops(
     started = time.perf_counter()
     results = _time_in_child(jobs, device, limit_s, mapped_bytes) if jobs else {}
     scratch: list[int | None] = [None] * len(trace.ops)
-    exact = []
     for job, indices in enumerate(owners):
         taken = results.get(job)
-        if taken is not None and taken[1] is not None:
-            exact.append(taken[2])
         for index in indices:
-            seconds[index], scratch[index] = taken[:2] if taken is not None else (None, None)
+            seconds[index], scratch[index] = taken if taken is not None else (None, None)
     timings = OpTimings(
-        fingerprint=trace.fingerprint(),
-        seconds=tuple(seconds),
-        scratch=tuple(scratch),
-        scratch_exact=bool(exact) and all(exact) and device.type == "cpu",
+        fingerprint=trace.fingerprint(), seconds=tuple(seconds), scratch=tuple(scratch)
     )
     log.info(
         "[LMS] Timed %d of %d distinct calls of %d ops on %s in %.1f s (%d ops left to the "
@@ -691,9 +685,7 @@ def _time_call(
     scratch = None
     with contextlib.suppress(Exception):  # its time stands without it
         scratch = _scratch_taken(op, args, kwargs, device)
-    if scratch is None:
-        return min(runs), None, False
-    return min(runs), *scratch
+    return min(runs), scratch
 
 
 # Note: [An op's scratch, measured where it is timed]
@@ -706,16 +698,11 @@ def _time_call(
 # CPU the timing process, once an op is timed, runs it once more and reads how far the heap in
 # use rose (the measure of a CPU step: Note [The C heap in use, not the resident set, measures a
 # CPU step] in `lms.runtime.heap`), sampled on a thread while the op runs, and how far the
-# resident set's peak rose, which counts only the pages written; the larger, less the outputs
-# the op made, is its scratch there. The heap is trimmed first (glibc's `malloc_trim`): pages it
-# kept free from the runs before would take the op's scratch without the resident set rising
-# (Note [Fresh pages]), and the heap's samples can miss a short op's peak. Over a trimmed heap
-# the resident set's peak counts every page the op touched, and the simulator takes the reading
-# as it is (`lms.core.devices.OpTimings.scratch_exact`), below the estimate too: the backward of
-# a 4x4 convolution of 256 to 512 channels at 8 px was estimated at 18 MiB and read at 10.5, and
-# convolutions the untrimmed heap read at 0 read at their estimates. Readings that may fall
-# short (timings kept from before, an allocator not glibc's) count as the larger of them and
-# the estimate.
+# resident set's peak rose, which is exact but counts only the pages written; the larger, less
+# the outputs the op made, is its scratch there. The simulator takes the larger of that and the
+# estimate (`lms.core.devices.OpTimings.scratch`): a reading can fall short (a peak between
+# samples, pages the heap kept from the runs before where the step's threshold leaves small
+# allocations in the heap: Note [Fresh pages]), while an estimate was checked against the step.
 # On a card the caching allocator's own peak (`torch.cuda.max_memory_allocated`) is exact, and
 # the bytes go into the op timings and a step's record, but the simulator does not count them:
 # cuDNN picks its algorithm, and so its workspace, by the memory free when it runs, which in a
@@ -725,13 +712,10 @@ _SAMPLE_S = 1e-4
 """How often the heap in use is read while an op's scratch is measured."""
 
 
-def _scratch_taken(
-    op: Any, args: Any, kwargs: Any, device: torch.device
-) -> tuple[int, bool] | None:
+def _scratch_taken(op: Any, args: Any, kwargs: Any, device: torch.device) -> int | None:
     """Bytes one run of ``op`` took on ``device`` beyond the outputs it made (Note [An op's
-    scratch, measured where it is timed]), and whether the reading is exact (on a CPU, the peak
-    resident set over a trimmed heap); None where neither the heap in use nor the peak resident
-    set can be read on a CPU."""
+    scratch, measured where it is timed]); None where neither the heap in use nor the peak
+    resident set can be read on a CPU."""
     given = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs))}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -740,14 +724,11 @@ def _scratch_taken(
         out = op(*args, **kwargs)
         torch.cuda.synchronize(device)
         growths: list[int | None] = [torch.cuda.max_memory_allocated(device) - before]
-        exact = True
     else:
-        trimmed = trim_heap()  # pages the heap kept free would hide what the op touches
         exact = reset_peak_rss()
         with PeakMemory(interval_s=_SAMPLE_S) as sampled:
             out = op(*args, **kwargs)
         peak = peak_rss_bytes() if exact else None
-        exact = trimmed and peak is not None
         growths = [
             sampled.heap_growth_bytes,
             None if peak is None else peak - sampled.start_rss_bytes,
@@ -759,7 +740,7 @@ def _scratch_taken(
         for t in tensors_in(out)
         if t.untyped_storage().data_ptr() not in given
     }
-    return max(max(g for g in growths if g is not None) - sum(made.values()), 0), exact
+    return max(max(g for g in growths if g is not None) - sum(made.values()), 0)
 
 
 def _one_run(op: Any, args: Any, kwargs: Any, device: torch.device) -> float:

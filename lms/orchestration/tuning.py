@@ -17,7 +17,7 @@ import torch
 from lms.analysis.simulate import share_of_peak, simulate
 from lms.analysis.trace import StepFn, trace_step
 from lms.core.devices import FRESH_PAGES_BYTES, DeviceSpec
-from lms.core.errors import HostMemoryError, PlanInfeasibleError, SpillError
+from lms.core.errors import HostMemoryError, SpillError
 from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.core.units import format_bytes
@@ -36,7 +36,6 @@ from lms.orchestration.split import (
     CLIMB_SIMULATIONS,
     faster_in_slabs,
     fit_in_slabs,
-    floor_error,
     named_slabs,
 )
 from lms.orchestration.timing import started_early
@@ -157,21 +156,16 @@ def tune_step(
         if loaded is not None:
             plan = loaded
         else:
-            try:
-                trace = fit_in_slabs(
-                    traced,
-                    spec,
-                    budget,
-                    half=half,
-                    free_held=free_held,
-                    trace=trace,
-                    allowed=slabs,
-                    refuse=True,
-                )
-            except PlanInfeasibleError as refused:
-                _floor_at_measured_scratch(
-                    refused, trace, spec, device, budget, half=half, free_held=free_held
-                )
+            trace = fit_in_slabs(
+                traced,
+                spec,
+                budget,
+                half=half,
+                free_held=free_held,
+                trace=trace,
+                allowed=slabs,
+                refuse=True,
+            )
             if trace.compiled:
                 # Note: [A compiled graph saves when it ends]
                 # The trace runs compiled code eagerly, so the plan counts the tensors eager
@@ -259,40 +253,6 @@ def tune_step(
             path,
         )
         return TunedStep(plan, trace, spec, half)
-
-
-def _floor_at_measured_scratch(
-    refused: PlanInfeasibleError,
-    trace: Trace,
-    spec: DeviceSpec,
-    device: torch.device,
-    budget: int,
-    *,
-    half: bool,
-    free_held: bool,
-) -> None:
-    """Check the floor that ``refused`` a budget again at the scratch the step's ops take when
-    timed; raise where it still does not fit.
-
-    Note: [A CPU's floor is checked at the scratch its ops take]
-    A budget below a step's floor is refused before any op is timed, since the floor is the
-    memory of every saved tensor out, which no op's time moves. On a CPU it holds the ops'
-    scratch too, and the trace's estimates of it can be above what the ops take (Note [An op's
-    scratch, measured where it is timed] in `lms.orchestration.timing`): the backward of a
-    DCGAN discriminator's widest convolution was estimated at 18 MiB and took 10.5. So where
-    the scratch of one op could close the gap, the ops are timed, as the plan would have them
-    timed next, and the floor checked again at what they took.
-    """
-    gap = refused.min_budget_bytes - budget
-    most = max((op.cpu_scratch_bytes for op in trace.ops), default=0)
-    if not spec.cpu_scratch or trace.slabs or gap > most:
-        raise refused
-    timed = with_local_timings(spec, trace, device, budget)
-    if timed.op_timings is None or not timed.op_timings.scratch_exact:
-        raise refused
-    again = floor_error(trace, timed, budget, half=half, free_held=free_held)
-    if again is not None:
-        raise again from None
 
 
 def check_offload_room(

@@ -206,7 +206,6 @@ def _replayed(record: StepRecord, measured: list[float | None]) -> tuple[DeviceS
         trace.fingerprint(),
         tuple(None if s is None else max(s - overhead, 0.0) for s in measured),
         scratch=tuned.scratch if tuned is not None else (),
-        scratch_exact=tuned is not None and tuned.scratch_exact,
     )
     replayed = dataclasses.replace(spec, copies_take_compute=False).with_op_timings(timings)
     clock = Clock(trace, plan, replayed, op_seconds(trace, replayed, half, write_log=write_log))

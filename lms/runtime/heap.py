@@ -29,6 +29,7 @@ benchmarks/results/README.md, "The resident set under a CPU budget".
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -116,14 +117,11 @@ def map_alone_from(nbytes: int) -> bool:
     return done
 
 
-def trim_heap() -> bool:
-    """Give back to the system what the heap keeps free now (glibc's ``malloc_trim``); False
-    where the allocator is not glibc's, and nothing is done."""
-    try:
+def trim_heap() -> None:
+    """Give back to the system what the heap keeps free now (glibc's ``malloc_trim``); nothing
+    where the allocator is not glibc's."""
+    with contextlib.suppress(AttributeError):  # not glibc
         ctypes.CDLL(None).malloc_trim(0)
-    except AttributeError:  # not glibc
-        return False
-    return True
 
 
 def current_rss_bytes() -> int:

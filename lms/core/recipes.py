@@ -229,6 +229,21 @@ def _find(trace: Trace) -> dict[int, Recipe]:
     # compiled kernels. A compiled model's plan offloads instead.
     if trace.compiled:
         return {}
+    # Note: [What backward saves again is not replayed]
+    # A double backward saves again what its first backward read from forward's saves, and a
+    # reentrant checkpoint its input: a copy brought back, which the runtime takes for a twin of
+    # its entry (Note [A storage copied again keeps its place in the plan]) only under a plan
+    # that replays nothing. Under one that replays, such a save would be a new entry, and the
+    # step would leave its plan there. So a step that saves again in backward what was saved
+    # before it is planned without replays: it offloads, and reads back per use.
+    start = trace.backward_start_op
+    if any(
+        event.kind == "save"
+        and event.op >= start
+        and trace.storages[event.storage].alloc_op < start
+        for event in trace.events
+    ):
+        return {}
     entries = trace.entries()
     ordinal_of = {storage: i for i, (storage, _, _) in enumerate(entries)}
     first_save = {storage: save_op for storage, _, save_op in entries}

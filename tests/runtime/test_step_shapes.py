@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 import lms
 from lms.analysis import device_spec, simulate, trace_step
+from lms.core.recipes import recipes
 from lms.planning.candidates import Candidates
 from tests.conftest import assert_bitwise, midway_budget
 
@@ -118,6 +119,16 @@ def test_a_double_backward_below_its_plain_peak_follows_its_plan_bitwise(tmp_pat
     assert "saves tensors other than" not in caplog.text
     assert offload.stats.diverged_steps == 0 and offload.stats.offloaded_bytes > 0
     offload.close()
+
+
+def test_a_step_that_saves_again_in_backward_what_forward_saved_replays_nothing():
+    """Note [What backward saves again is not replayed]: under a plan that replays, the first
+    backward's save of a copy it read back would be a new entry, off the plan."""
+    model, x = _mlp(), torch.randn(512, 64)
+    penalty = trace_step(model, [x], lambda m, b: _penalty(m, *b), device="cpu")
+    assert recipes(penalty) == {}
+    once = trace_step(model, [x], lambda m, b: _micro(m, *b), device="cpu")
+    assert recipes(once)  # the same model's single backward replays its activations
 
 
 def test_a_double_backward_under_the_budgets_own_policy_follows_its_record(tmp_path):

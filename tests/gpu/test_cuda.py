@@ -792,3 +792,23 @@ def test_the_allocators_retries_in_a_step_are_counted_on_cuda():
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
     assert offload.stats.allocator_retries >= 1, offload.stats
+
+
+@pytest.mark.parametrize("tuned", [True, False], ids=["plan", "policy"])
+def test_a_double_backward_follows_its_plan_or_record_bitwise_on_cuda(spill_dir, tuned):
+    """Note [What backward makes and saves]: an R1 penalty's first backward saves again the
+    copies it read back; under a plan, or the budget's own policy, no step leaves it."""
+    from tests.runtime.test_step_shapes import _mlp, _penalty, _run
+
+    model, x = _mlp().cuda(), torch.randn(4096, 64, device="cuda")
+    ref = _run(model, _penalty, (x,))
+    if tuned:
+        offload = lms.LMS(budget="90%", min_offload_bytes=0, spill_dir=spill_dir)
+        plan = offload.tune(model, [x], lambda m, b: _penalty(m, *b))
+        assert plan.offload
+    else:
+        offload = lms.LMS(swapout_threshold=1, min_offload_bytes=0, spill_dir=spill_dir)
+    for _ in range(3):
+        assert_bitwise(ref, _run(model, _penalty, (x,), offload))
+    assert offload.stats.diverged_steps == 0 and offload.stats.offloaded_bytes > 0
+    offload.close()

@@ -88,10 +88,11 @@ class Recorder(TorchDispatchMode):
         self.joined: list[JunctionRecord] = []
         self.meeting: dict[Any, int] = {}  # junction: how many partials meet there
         self.made: list[weakref.ref[torch.Tensor]] = []  # every fake tensor an op made
-        # Note [Tensors the step's code holds]: forward's outputs, and when the last of each
-        # storage's died
-        self.held: list[tuple[int, weakref.ref[torch.Tensor]]] = []
+        # Note [Tensors the step's code holds]: when the last of forward's outputs of each
+        # storage died
         self.let_go: dict[int, int] = {}
+        # the tensors watched for when they die, each with the dict and key that keep it
+        self.watched: list[tuple[dict[int, int], int, weakref.ref[torch.Tensor]]] = []
         # Note: [What backward makes and saves]
         # A double backward (`autograd.grad(create_graph=True)`: a gradient penalty, MAML)
         # saves, while its first backward runs, what that backward makes and what it read from
@@ -109,9 +110,7 @@ class Recorder(TorchDispatchMode):
         self.made_late: set[int] = set()
         self.read_back: dict[int, int] = {}  # storage: index in events of its latest read
         self.read_held: dict[int, int] = {}  # read's index in events: when what it gave died
-        self.reads_held: list[tuple[int, weakref.ref[torch.Tensor]]] = []
         self.packing = False
-        self.late_held: list[tuple[int, weakref.ref[torch.Tensor]]] = []
         self.late_let_go: dict[int, int] = {}
 
     def close(self) -> None:
@@ -196,27 +195,31 @@ class Recorder(TorchDispatchMode):
 
         return callback
 
-    def _dropped(self, sid: int) -> Callable[[Any], None]:
-        def callback(_: Any) -> None:
-            self.let_go[sid] = max(self.let_go.get(sid, -1), len(self.ops) - 1)
+    def _watch(self, into: dict[int, int], key: int, value: torch.Tensor) -> None:
+        """Keep in ``into[key]`` the op after which ``value`` died, the latest of those so
+        watched; the last op for one alive when the step ends (`_settle`)."""
 
-        return callback
+        def died(_: Any) -> None:
+            into[key] = max(into.get(key, -1), len(self.ops) - 1)
+
+        self.watched.append((into, key, weakref.ref(value, died)))
+
+    def _settle(self) -> None:
+        """The watched tensors still alive: held to the step's last op."""
+        last = len(self.ops) - 1
+        for into, key, ref in self.watched:
+            if ref() is not None:
+                into[key] = last
 
     def _watch_late(self, value: torch.Tensor, sid: int, new: bool) -> None:
         """Watch ``value``, made after forward, for when it dies (Note [What backward makes and
         saves]): as a view of what a read gave, or of a storage made after forward."""
         read = self.read_back.get(sid)
         if read is not None:  # a view of what backward read: of the copy brought back
-            self.reads_held.append((read, weakref.ref(value, self._read_dropped(read))))
+            self._watch(self.read_held, read, value)
         elif sid in self.made_late or (new and torch.is_grad_enabled()):  # what may be saved
             self.made_late.add(sid)
-            self.late_held.append((sid, weakref.ref(value, self._dropped_late(sid))))
-
-    def _dropped_late(self, sid: int) -> Callable[[Any], None]:
-        def callback(_: Any) -> None:
-            self.late_let_go[sid] = max(self.late_let_go.get(sid, -1), len(self.ops) - 1)
-
-        return callback
+            self._watch(self.late_let_go, sid, value)
 
     def register(self, tensors: Iterator[torch.Tensor], kind: str) -> int:
         total = 0
@@ -284,7 +287,7 @@ class Recorder(TorchDispatchMode):
             if new or sid in inputs and declared_writes(func):
                 outputs[sid] = self.nbytes[sid]
             if phase == "forward" and id(value) not in given:
-                self.held.append((sid, weakref.ref(value, self._dropped(sid))))
+                self._watch(self.let_go, sid, value)
             elif phase != "forward" and id(value) not in given:
                 self._watch_late(value, sid, new)
         level = 1
@@ -395,21 +398,12 @@ class Recorder(TorchDispatchMode):
         self.read_back[sid] = read
         self.read_held[read] = len(self.ops)
         alias = tensor.detach()
-        self.reads_held.append((read, weakref.ref(alias, self._read_dropped(read))))
+        self._watch(self.read_held, read, alias)
         return alias
-
-    def _read_dropped(self, read: int) -> Callable[[Any], None]:
-        def callback(_: Any) -> None:
-            self.read_held[read] = max(self.read_held[read], len(self.ops) - 1)
-
-        return callback
 
     def saved_events(self) -> tuple[SavedEvent, ...]:
         """The saved-tensor events, each read with the op after which what it gave died."""
-        last = len(self.ops) - 1
-        for read, ref in self.reads_held:
-            if ref() is not None:
-                self.read_held[read] = last
+        self._settle()
         return tuple(
             dataclasses.replace(event, held_to=self.read_held[k]) if k in self.read_held else event
             for k, event in enumerate(self.events)
@@ -460,13 +454,7 @@ class Recorder(TorchDispatchMode):
         # frees it, not at its last read. The trace's saves hold aliases (Note [A kept save
         # holds no reference cycle]): what only autograd keeps, as max pooling's indices or an
         # RNN's workspace, dies with the code's last reference, as the runtime's copy frees it.
-        last = len(self.ops) - 1
-        for sid, ref in self.held:
-            if ref() is not None:
-                self.let_go[sid] = last
-        for sid, ref in self.late_held:
-            if ref() is not None:
-                self.late_let_go[sid] = last
+        self._settle()
         storages = []
         for sid, nbytes in enumerate(self.nbytes):
             kind = self.kind[sid]

@@ -58,6 +58,12 @@ log = logging.getLogger("lms.runtime")
 
 # Long by design: the context manager's public surface (settings, hooks, tune, close, stats)
 # in one class; the work is in `follow`, `step`, `store`, `recompute` and `relief`.
+def _slot(storage: torch.UntypedStorage) -> tuple[str, int]:
+    """Where ``storage`` is: its key in the runtime's maps of storages (a freed storage's
+    address may name another later, so each map checks a weak reference beside it)."""
+    return str(storage.device), storage.data_ptr()
+
+
 class Session:
     """The runtime of `lms.LMS`, without its planning (`lms.LMS.tune`, a layer above): the
     saved-tensor hooks, the stores and the step's state. `lms.LMS` documents its use.
@@ -471,7 +477,7 @@ class Session:
             return Kept(tensor)
         self._offloader.poll()
         storage = tensor.untyped_storage()
-        slot = (str(tensor.device), storage.data_ptr())
+        slot = _slot(storage)
         found = self._by_storage.get(slot)
         entry = found[1] if found is not None and found[0]() is storage else None
         base = tensor if tensor._base is None else tensor._base
@@ -507,7 +513,7 @@ class Session:
         storage on the device for as long as autograd keeps it: without a plan, the runtime
         never moves that storage (with one, the planner kept it already; see `Trace.held`)."""
         storage = tensor.untyped_storage()
-        slot = (str(tensor.device), storage.data_ptr())
+        slot = _slot(storage)
         step.held[slot] = weakref.ref(storage)
         found = self._by_storage.get(slot)
         if found is None or found[0]() is not storage or not step.owns(found[1]):
@@ -598,7 +604,7 @@ class Session:
     ) -> Entry:
         entry = Entry(next(self._keys), len(step.entries), storage, device)
         entry.base = weakref.ref(base)
-        holder = step.held.get((str(device), storage.data_ptr()))
+        holder = step.held.get(_slot(storage))
         record = step.record
         entry.held = (holder is not None and holder() is storage) or (
             record is not None and not step.diverged and entry.ordinal in record.held
@@ -726,7 +732,7 @@ class Session:
 
     def _entry_of(self, storage: torch.UntypedStorage) -> Entry | None:
         """The live entry that saved ``storage`` in this step, if any."""
-        found = self._by_storage.get((str(storage.device), storage.data_ptr()))
+        found = self._by_storage.get(_slot(storage))
         if found is None or found[0]() is not storage or found[1].released:
             return None
         step = self._step
@@ -824,8 +830,7 @@ class Session:
                 # by its entry, such a save is a twin of it under its ordinal (Note [A storage
                 # copied again keeps its place in the plan]) rather than a new entry that
                 # shifts every later ordinal off the plan's.
-                slot = (str(storage.device), storage.data_ptr())
-                self._by_storage[slot] = (weakref.ref(storage), entry)
+                self._by_storage[_slot(storage)] = (weakref.ref(storage), entry)
         out = torch.empty(0, dtype=packed.dtype, device=entry.device)
         return out.set_(storage, packed.offset, packed.size, packed.stride)
 

@@ -44,6 +44,7 @@ __all__ = [
     "current_rss_bytes",
     "heap_in_use_bytes",
     "peak_rss_bytes",
+    "proc_kib_bytes",
     "reset_peak_rss",
     "map_alone_from",
     "release_freed_memory",
@@ -148,10 +149,16 @@ def reset_peak_rss() -> bool:
 def peak_rss_bytes() -> int | None:
     """This process's peak resident set (``VmHWM``) since it started or since `reset_peak_rss`;
     None where the system does not say."""
+    return proc_kib_bytes("/proc/self/status", "VmHWM")
+
+
+def proc_kib_bytes(path: str, field: str) -> int | None:
+    """The bytes of ``field`` in the ``/proc`` file ``path``, whose lines read ``field: N kB``;
+    None where the system has no such file or field (not Linux)."""
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass

@@ -18,6 +18,7 @@ import torch
 
 from lms.core.units import BUCKET_STEP, bucket_bytes, format_bytes
 from lms.runtime._cuda import pin_host, unpin_host
+from lms.runtime.heap import proc_kib_bytes
 
 __all__ = ["HostPool", "available_host_bytes", "bucket_bytes"]
 
@@ -27,13 +28,9 @@ log = logging.getLogger("lms.runtime")
 
 def available_host_bytes() -> int:
     """Host memory the system could hand out now (``MemAvailable``)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = proc_kib_bytes("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 

@@ -351,6 +351,10 @@ class Trace:
 
     def fingerprint(self) -> str:
         """A short hash of the step's shape: op names, sizes and saved-tensor events."""
+        return self._fingerprint
+
+    @functools.cached_property
+    def _fingerprint(self) -> str:  # each simulation compares it (Note [A trace derives once])
         digest = hashlib.sha256()
         header = [self.name, self.input_shapes, self.device, *(["compiled"] * self.compiled)]
         digest.update(json.dumps(header).encode())

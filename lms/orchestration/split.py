@@ -16,7 +16,14 @@ from lms.core.units import format_bytes
 from lms.planning.candidates import Candidates
 from lms.planning.minimum import smallest_plan
 
-__all__ = ["CLIMB_SIMULATIONS", "SLAB_COUNTS", "faster_in_slabs", "fit_in_slabs", "named_slabs"]
+__all__ = [
+    "CLIMB_SIMULATIONS",
+    "LEAST_OPS_STOPPED",
+    "SLAB_COUNTS",
+    "faster_in_slabs",
+    "fit_in_slabs",
+    "named_slabs",
+]
 
 log = logging.getLogger("lms.orchestration.split")
 
@@ -26,6 +33,11 @@ launches and one more halo to read again."""
 
 _ROUNDS = 12
 """Traces tried at most: each names the submodule at the new floor's peak, or more slabs."""
+
+LEAST_OPS_STOPPED = 10_000
+"""A trace in slabs is stopped past no fewer ops than this, whatever the whole step's count:
+tracing an op in slabs took about a millisecond (MONAI's 3D DenseNet-121, 54,792 ops in 52 s),
+so a try costs seconds at most below it (Note [Which submodules run in slabs])."""
 
 _REACH = 0.5
 """Slabs are searched only for a budget of at least this share of the whole step's floor (both
@@ -64,10 +76,14 @@ def fit_in_slabs(
 
     A step whose largest count of slabs is N runs each op of a submodule in slabs about N
     times, with a convolution's halo and a normalization's statistics taken slab by slab
-    beside. A trace past 2N times the whole step's ops is stopped, and the step planned whole:
-    a submodule whose slabs read what came before again and again (the concatenated features
-    of a DenseNet, each piece of them made again for each read) costs more to trace than its
-    slabs could lower its floor. Measured: benchmarks/results/README.md, "Traces in slabs".
+    beside. A trace past 2N times the whole step's ops, and past `LEAST_OPS_STOPPED`, is
+    stopped, and the step planned whole: a submodule whose slabs read what came before again
+    and again (the concatenated features of a DenseNet, each piece of them made again for each
+    read) costs more to trace than its slabs could lower its floor. A small step whose
+    submodule in slabs is most of it runs as many ops per op in slabs as a DenseNet does, but
+    traces in seconds: that is what the least count is for (MONAI's SegResNet at 128^3, 208 ops
+    whole, ran 2404 ops in 1.5 s with one encoder level in 4 slabs). Measured:
+    benchmarks/results/README.md, "Traces in slabs".
 
     Args:
         trace_with: ``trace_with(slabs=...)`` traces the step with the given submodules in
@@ -142,7 +158,7 @@ def fit_in_slabs(
 def _most_ops(whole: Trace, slabs: dict[str, int]) -> int:
     """The most ops a trace of the step with ``slabs`` may run (Note [Which submodules run in
     slabs])."""
-    return 2 * max(slabs.values()) * len(whole.ops)
+    return max(2 * max(slabs.values()) * len(whole.ops), LEAST_OPS_STOPPED)
 
 
 def named_slabs(slabs: dict[str, int]) -> str:

@@ -216,13 +216,17 @@ class _DenseBlock(torch.nn.Module):
         return x
 
 
-def test_a_trace_in_slabs_that_multiplies_the_steps_ops_is_stopped(caplog):
+def test_a_trace_in_slabs_that_multiplies_the_steps_ops_is_stopped(caplog, monkeypatch):
     """Note [Which submodules run in slabs]: a dense block read a slab at a time runs its
     concatenated features again for every piece; the trace stops at twice as many ops as the
-    slabs times the whole step's, and the step is planned whole."""
+    slabs times the whole step's, and the step is planned whole (here with no least count of
+    ops, which a step this small would stay under)."""
     from lms.analysis import trace_step
     from lms.core.slabs import SplitError
+    from lms.orchestration import split
     from lms.orchestration.split import _floor_error, fit_in_slabs
+
+    monkeypatch.setattr(split, "LEAST_OPS_STOPPED", 0)
 
     model = torch.nn.Sequential(
         torch.nn.Conv2d(1, 4, 3, padding=1), _DenseBlock(), torch.nn.Conv2d(28, 2, 1)
@@ -249,6 +253,34 @@ def test_a_trace_in_slabs_that_multiplies_the_steps_ops_is_stopped(caplog):
         and "ran past" in r.getMessage()
         for r in caplog.records
     )
+
+
+def test_a_small_step_mostly_in_slabs_is_traced_in_them_past_twice_its_ops_per_slab():
+    """Note [Which submodules run in slabs]: a small SegResNet's levels, group norms and
+    residual sums in slabs, run far more ops per op than twice their slabs (each norm's
+    statistics, each convolution's halo), yet trace in a second or two: under
+    `LEAST_OPS_STOPPED` the search goes on until a trace in slabs fits the budget."""
+    from monai.networks.nets import SegResNet
+
+    from lms.analysis import trace_step
+    from lms.orchestration.split import LEAST_OPS_STOPPED, _floor_error, fit_in_slabs
+
+    torch.manual_seed(0)
+    model = SegResNet(
+        spatial_dims=3, in_channels=1, out_channels=2, blocks_down=(1, 1), blocks_up=(1,)
+    )
+    x = torch.randn(1, 1, 48, 48, 48)
+    whole = trace_step(model, [x], _unet_step, device="cpu")
+    spec = lms.device_spec("cpu")
+    budget = int(0.9 * _floor_error(whole, spec, 1, half=False, free_held=False).min_budget_bytes)
+
+    def trace_with(slabs, max_ops=None):
+        return trace_step(model, [x], _unet_step, device="cpu", slabs=slabs, max_ops=max_ops)
+
+    split = fit_in_slabs(trace_with, spec, budget, trace=whole, refuse=True)
+    most = 2 * max(count for _, count in split.slabs) * len(whole.ops)
+    assert split.slabs and most < len(split.ops) <= LEAST_OPS_STOPPED
+    assert _floor_error(split, spec, budget, half=False, free_held=False) is None
 
 
 def test_a_tuned_plan_in_slabs_is_cached_and_loaded_for_its_step(tmp_path, caplog):

@@ -73,7 +73,10 @@ _MODEL_HELP = (
     "model's name (efficientnet_b0, swin_t, r3d_18, ...) or package.module:builder"
 )
 _AMP_HELP = "bfloat16 autocast"
-_SPEC_HELP = "device spec to simulate (see lms.analysis.DEVICES; default v100-32gb)"
+_SPEC_HELP = (
+    "device spec to simulate: a name (see lms.analysis.DEVICES; default v100-32gb) or a JSON "
+    "file of a spec's fields, as 'lms analyze --json' writes them under \"spec\""
+)
 _JSON_HELP = (
     "write the results here as JSON, with the lms and torch versions; its keys are documented "
     "in the command's JSON schema, lms/schemas/COMMAND.schema.json"
@@ -306,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument(
         "--device-spec",
         default="v100-32gb",
-        help="see lms.analysis.DEVICES; 'local': this machine's device, its rates measured",
+        help=_SPEC_HELP + "; 'local': this machine's device, its rates measured",
     )
     analyze.add_argument(
         "--host-memory", default=None, help="host memory for offloaded data, e.g. 64GiB"

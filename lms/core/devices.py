@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from lms.core.units import bucket_bytes, parse_bytes
@@ -149,6 +150,49 @@ class DeviceSpec:
     """Times of the ops of one trace measured on this device; the simulator takes them, in place
     of its rates, for that trace alone (Note [Ops timed on the device])."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as JSON keeps them (`from_dict` reads it back)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["op_timings"] = None if self.op_timings is None else self.op_timings.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "the spec") -> DeviceSpec:
+        """From `to_dict`'s, or any mapping of its fields: ``"base"`` names a known spec whose
+        fields the others replace, else every field without a default is given.
+
+        Raises:
+            ValueError: a field unknown, missing or of the wrong type, named with ``source``.
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields) - {"base"})
+        if unknown:
+            raise ValueError(
+                f"lms: {source} has no field {', '.join(map(repr, unknown))}; a device spec's "
+                f"fields: {', '.join(fields)}, or 'base' (a known spec's name) to start from"
+            )
+        values = dict(data)
+        base = values.pop("base", None)
+        if base is not None:
+            values = device_spec(str(base)).to_dict() | values
+        missing = [
+            name
+            for name, f in fields.items()
+            if name not in values
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ]
+        if missing:
+            raise ValueError(
+                f"lms: {source} lacks {', '.join(map(repr, missing))}: give them, or 'base' "
+                f"(a known spec's name, as 'h100') for the fields not given"
+            )
+        timings = values.pop("op_timings", None)
+        for name, value in values.items():
+            _check_field(fields[name], value, source)
+        spec = cls(**values)
+        return spec if timings is None else spec.with_op_timings(OpTimings.from_dict(timings))
+
     def with_memory(self, memory: int | str) -> DeviceSpec:
         """The same device with another memory size (a limited or a larger card)."""
         return dataclasses.replace(self, memory_bytes=parse_bytes(memory, field="gpu_memory"))
@@ -202,7 +246,9 @@ def _gpu(
     )
 
 
-# Link rates are per direction as measured in practice, not the marketing sum of both.
+# Link rates are per direction as measured in practice, not the marketing sum of both. Compute
+# is the datasheet's dense rate: for fp32 the TF32 tensor cores' where the card has them (PyTorch's
+# convolutions take TF32 by default), for half precision bf16's with fp32 accumulation.
 DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
@@ -215,6 +261,11 @@ DEVICES: dict[str, DeviceSpec] = {
         _gpu("h100-80gb", 80, 67 * 7, 989, 3350, 52.0, "PCIe Gen5 x16"),
         _gpu("h200-141gb", 141, 67 * 7, 989, 4800, 52.0, "PCIe Gen5 x16"),
         _gpu("gh200-96gb", 96, 67 * 7, 989, 4000, 400.0, "NVLink-C2C"),
+        _gpu("b200-180gb", 180, 1100, 2250, 8000, 52.0, "PCIe Gen5 x16"),
+        _gpu("l4-24gb", 24, 60, 121, 300, 24.0, "PCIe Gen4 x16"),
+        _gpu("a10-24gb", 24, 62.5, 125, 600, 24.0, "PCIe Gen4 x16"),
+        _gpu("l40s-48gb", 48, 183, 362, 864, 24.0, "PCIe Gen4 x16"),
+        _gpu("rtx4090-24gb", 24, 82.6, 165.2, 1008, 24.0, "PCIe Gen4 x16"),
         DeviceSpec(
             name="cpu",
             memory_bytes=24 * GiB,
@@ -243,18 +294,82 @@ ALIASES = {
     "h100": "h100-80gb",
     "h200": "h200-141gb",
     "gh200": "gh200-96gb",
+    "b200": "b200-180gb",
+    "l4": "l4-24gb",
+    "a10": "a10-24gb",
+    "l40s": "l40s-48gb",
+    "rtx4090": "rtx4090-24gb",
 }
 
 
 def device_spec(name: str, *, memory: int | str | None = None) -> DeviceSpec:
-    """Look up a spec by name (or alias), optionally with another memory size.
+    """Look up a spec by name (or alias), or read one from a JSON file, optionally with another
+    memory size.
+
+    A name ending in ``.json`` is a file (Note [A device spec from a file]).
 
     Raises:
-        ValueError: for an unknown name, listing the known ones.
+        ValueError: for an unknown name, listing the known ones; for a file that cannot be
+            read or whose fields are not a spec's.
     """
-    key = ALIASES.get(name.lower(), name.lower())
-    if key not in DEVICES:
-        known = ", ".join(sorted(DEVICES) + sorted(ALIASES))
-        raise ValueError(f"lms: device_spec={name!r} is unknown; known: {known}")
-    spec = DEVICES[key]
+    if name.lower().endswith(".json"):
+        spec = _spec_file(name)
+    else:
+        key = ALIASES.get(name.lower(), name.lower())
+        if key not in DEVICES:
+            known = ", ".join(sorted(DEVICES) + sorted(ALIASES))
+            raise ValueError(
+                f"lms: device_spec={name!r} is unknown; known: {known}, or a JSON file of a "
+                f'spec\'s fields (as {{"base": "h100", "d2h_gbps": 25}})'
+            )
+        spec = DEVICES[key]
     return spec.with_memory(memory) if memory is not None else spec
+
+
+# Note: [A device spec from a file]
+# A card no spec names (or one whose link, measured, is slower than its datasheet's) is planned
+# for from a JSON file of `DeviceSpec`'s fields: all of them, or "base", a known spec's name,
+# and the fields that differ. A file `lms sweep --json` or `lms analyze --json` wrote serves as
+# it is (its "device_spec", or its "spec": the spec it simulated, measured where it was
+# "local"), so a card measured once (`lms analyze --device-spec local` on it) is planned for
+# anywhere after. Op times measured for one trace are left out: another step's ops are not
+# those, and the simulator prices them at the spec's rates.
+def _spec_file(path: str) -> DeviceSpec:
+    source = f"device_spec={path!r}"
+    try:
+        with open(path, encoding="utf-8") as file:
+            data = json.load(file)
+    except FileNotFoundError:
+        raise ValueError(
+            f"lms: {source}: no such file; give a known spec's name or a JSON file of a "
+            f"spec's fields"
+        ) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"lms: {source} cannot be read as JSON: {error}") from None
+    for key in ("spec", "device_spec"):  # what `lms analyze --json` or `lms sweep --json` wrote
+        if isinstance(data, dict) and isinstance(data.get(key), dict):
+            data = data[key]
+            break
+    if not isinstance(data, dict):
+        raise ValueError(f"lms: {source} holds {type(data).__name__}, not an object of fields")
+    return DeviceSpec.from_dict({**data, "op_timings": None}, source=source)
+
+
+def _check_field(field: dataclasses.Field[Any], value: Any, source: str) -> None:
+    """Raise where ``value`` is not of the type ``field`` of `DeviceSpec` takes."""
+    kinds = {
+        "str": (str,),
+        "int": (int,),
+        "float": (int, float),
+        "bool": (bool,),
+        "int | None": (int, type(None)),
+        "float | None": (int, float, type(None)),
+    }
+    wanted = kinds.get(str(field.type))
+    if wanted is None:
+        return
+    if not isinstance(value, wanted) or (isinstance(value, bool) and bool not in wanted):
+        raise ValueError(
+            f"lms: {source}: {field.name}={value!r} is not a {field.type}"
+            + (" (bytes, as a number)" if field.name.endswith("_bytes") else "")
+        )

@@ -16,7 +16,7 @@ import json
 import os
 from typing import Any
 
-from lms.core.devices import DeviceSpec, OpTimings
+from lms.core.devices import DeviceSpec
 from lms.core.plan import Plan
 from lms.core.records import JunctionRecord, OpRecord, SavedEvent, StorageRecord, Trace
 
@@ -121,7 +121,7 @@ class StepRecord:
             "meta": self.meta,
             "trace": _trace_to_dict(self.trace),
             "plan": None if self.plan is None else dataclasses.asdict(self.plan),
-            "spec": _spec_to_dict(self.spec),
+            "spec": self.spec.to_dict(),
             "half": self.half,
             "steps": [_step_to_dict(step) for step in self.steps],
         }
@@ -152,7 +152,7 @@ class StepRecord:
         return cls(
             trace=_trace_from_dict(data["trace"]),
             plan=None if plan is None else Plan.from_json(json.dumps(plan)),
-            spec=_spec_from_dict(data["spec"]),
+            spec=DeviceSpec.from_dict(data["spec"]),
             half=bool(data["half"]),
             steps=tuple(_step_from_dict(step) for step in data["steps"]),
             meta=dict(data.get("meta", {})),
@@ -232,24 +232,6 @@ def _trace_from_dict(data: dict[str, Any]) -> Trace:
     values["input_shapes"] = _tupled(data["input_shapes"])
     values["slabs"] = _tupled(data.get("slabs", []))
     return Trace(**values)
-
-
-def _spec_to_dict(spec: DeviceSpec) -> dict[str, Any]:
-    data = {
-        f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name != "op_timings"
-    }
-    timings = spec.op_timings
-    data["op_timings"] = None if timings is None else timings.to_dict()
-    return data
-
-
-def _spec_from_dict(data: dict[str, Any]) -> DeviceSpec:
-    values = dict(data)
-    timings = values.pop("op_timings", None)
-    spec = DeviceSpec(**values)
-    if timings is None:
-        return spec
-    return spec.with_op_timings(OpTimings.from_dict(timings))
 
 
 def _step_to_dict(step: StepTimes) -> dict[str, Any]:

@@ -3,7 +3,6 @@ LMS, then with it; predicted data rate (pixels/s or voxels/s) at every size."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -188,7 +187,7 @@ def sweep(
     result = {
         "model": model,
         "unit": entry.unit,
-        "device_spec": dataclasses.asdict(spec),
+        "device_spec": spec.to_dict(),
         "gpu_memory_bytes": budget,
         "batch_size": batch_size,
         "step": step,

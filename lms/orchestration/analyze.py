@@ -127,6 +127,7 @@ class Report:
             "model": self.trace.name,
             "input_shapes": [list(s) for s in self.trace.input_shapes],
             "device_spec": self.spec.name,
+            "spec": self.spec.with_op_timings(None).to_dict(),  # Note [A device spec from a file]
             "gpu_memory_bytes": self.budget_bytes,
             "peak_bytes": self.plain.peak_bytes,
             "peak_tensor_bytes": self.plain.peak_tensor_bytes,

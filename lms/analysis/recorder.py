@@ -700,14 +700,16 @@ def _weight_buffer(weights: list[torch.Tensor]) -> torch.Tensor:
 # `torch._C._select_conv_backend` tells from the tensors' shapes, layout and dtype. oneDNN copies
 # the weights into its blocked layout (and in backward makes their gradient there), copies
 # activations in the contiguous layout in and the results back (forward: its input, where it has a
-# block of channels or more, beside its output made blocked, then copied out; a strided backward in
+# block of channels or more or the kernel is pointwise, beside its output made blocked, then copied
+# out; a strided backward in
 # single precision: twice its input, or half as much again as its output gradient where that is
 # more, and without an input gradient its output gradient beside its input), and in half
 # precision keeps a weight gradient's operands in single precision (but a first layer's of fewer
 # channels than a block; a pointwise one beside its input gradient, at least three times its
 # input; in 3D, the input with its padding in depth), and a pointwise forward its input as a
 # whole block of channels; the native kernels kept for small convolutions unfold the input into
-# columns, one per kernel tap, and take their activations contiguous (an input in the channels-last
+# columns, one per kernel tap (but a pointwise forward at stride 1 without padding, which reads
+# its input as they), and take their activations contiguous (an input in the channels-last
 # layout is copied, and in backward its output gradient too: a 3D U-Net's upsampling of few
 # channels). `_cpu_scratch` estimates each of these from the op's tensors, channels counted up to a
 # whole block of `_CHANNEL_BLOCK`. A convolution runs in the channels-last layout where its input
@@ -774,8 +776,10 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
         taps = math.prod(weight.shape[2:])
         if transposed:
             columns = weight.size(1) * groups * taps * math.prod(given.shape[2:])
-        else:
+        elif backward or taps > 1 or any(step != 1 for step in settings[0]) or any(settings[1]):
             columns = given.size(1) * taps * math.prod(grad_out.shape[2:])
+        else:  # a pointwise forward at stride 1 and no padding reads its input as its columns
+            columns = 0
         # the native kernels take their activations contiguous: others are copied so first
         copied = [given, grad_out] if backward else [given]
         relaid = sum(t.numel() * t.element_size() for t in copied if not t.is_contiguous())
@@ -809,8 +813,9 @@ def _cpu_scratch(name: str, args: Any, out: Any) -> int:
         return weights + relayout + (made if transposed else 0)
     pad = _blocked(given), _blocked(grad_out)
     pointwise = math.prod(weight.shape[2:]) == 1
-    # the blocked input beside the output; one of fewer channels than a block is read as it is
-    source = pad[0] if given.size(1) >= _CHANNEL_BLOCK else 0
+    # the blocked input beside the output; one of fewer channels than a block is read as it is,
+    # but by a pointwise kernel
+    source = pad[0] if given.size(1) >= _CHANNEL_BLOCK or pointwise else 0
     if not backward:
         if transposed:
             return weights + 2 * pad[1]

@@ -447,6 +447,28 @@ def test_a_contiguous_convolution_makes_its_output_blocked_beside_its_input():
     assert stem == 16 * 4 * 9 * 4 + 16 * 512 * 512 * 4  # the output alone
 
 
+def test_a_pointwise_convolution_blocks_an_input_of_few_channels_or_reads_it_as_columns():
+    """Note [Convolution scratch on the CPU]: oneDNN's pointwise kernel makes even an input of
+    fewer channels than a block blocked, beside its blocked output; PyTorch's native one, at
+    stride 1 without padding, reads its input as its columns. Measured for a segmentation head,
+    8->2 channels 1x1x1 at 128^3: 239.9 MiB over its output (128.0 were estimated, which put
+    SegResNet's floor past a budget its slabs were searched for) and 29.9 at 64^3, and 0.0 for
+    4->4 channels at 64^3 on the native kernel (4.0 estimated)."""
+
+    def forward_scratch(conv, x):
+        trace = trace_step(conv, [x], device="cpu")
+        (op,) = [op for op in trace.ops if op.name == "aten.convolution.default"]
+        return op.cpu_scratch_bytes
+
+    head = torch.nn.Conv3d(8, 2, 1)
+    blocked, out = 16 * 64**3 * 4, 2 * 64**3 * 4  # input and output, 16 channels each
+    assert forward_scratch(head, torch.randn(1, 8, 64, 64, 64)) == 2 * 8 * 4 + 2 * blocked - out
+    native = torch.randn(1, 4, 48, 48, 48)  # one sample of few channels
+    assert forward_scratch(torch.nn.Conv3d(4, 4, 1), native) == 0
+    strided = torch.nn.Conv3d(4, 4, 1, stride=2)  # its columns are the input's every other row
+    assert forward_scratch(strided, native) == 4 * 24**3 * 4
+
+
 def test_a_half_precision_weight_gradient_of_few_channels_is_widened_past_a_first_layer():
     """Note [Convolution scratch on the CPU]: in bfloat16 a weight gradient takes its input and
     output gradient in single precision, blocked, also below a block of input channels, but for

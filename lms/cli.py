@@ -218,6 +218,7 @@ def _train(args: argparse.Namespace) -> int:
         memory_snapshot=args.memory_snapshot,
         progress=not args.quiet,
         record=args.record,
+        cpu_resident=args.cpu_resident,
     )
     if args.json:
         _write_json(args.json, dataclasses.asdict(result))
@@ -389,6 +390,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--host-budget", default=None, help="host memory offloaded data may hold, e.g. 100GiB"
+    )
+    train.add_argument(
+        "--cpu-resident",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a CPU under a budget, glibc maps each allocation of 1 MiB or more on pages of "
+        "its own, so that the resident set holds the budget too, its pages faulted in afresh "
+        "each step (LMSConfig.cpu_resident); --no-cpu-resident keeps glibc's own setting: "
+        "faster steps, the heap in use held to the budget, the resident set over it by what "
+        "glibc keeps",
     )
     train.add_argument("--data", default=None, help="folder of images (one subfolder a class)")
     train.add_argument("--json", help=_JSON_HELP)

@@ -180,3 +180,21 @@ def test_the_command_imports_a_builder_from_the_folder_it_runs_in(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["input_shapes"] == [[1, 3, 8, 8], [1, 6, 6]]
+
+
+@pytest.mark.parametrize(("flag", "resident"), [([], True), (["--no-cpu-resident"], False)])
+def test_train_keeps_glibcs_own_heap_where_asked(flag, resident, monkeypatch):
+    """`--no-cpu-resident` trains under glibc's own mmap threshold (`LMSConfig.cpu_resident`);
+    by default the resident set holds the budget too."""
+    import lms.harness.train as harness
+
+    asked = {}
+
+    def train(model, **kwargs):
+        asked.update(kwargs)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(harness, "train", train)
+    with pytest.raises(SystemExit):
+        main(["train", "--model", "tinylm", "--budget", "1GiB", *flag])
+    assert asked["cpu_resident"] is resident

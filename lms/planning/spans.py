@@ -91,6 +91,7 @@ def emptiable(trace: Trace) -> dict[int, int]:
     event after that read: from there a plan may empty it (Note [Emptying what the code holds]).
     Not those a kept save holds: autograd reads them in place."""
     storages, event_ops = trace.storages, trace.event_ops
+    saved = _forward_saves(trace)
     found = {}
     for ordinal, (storage, _, _) in enumerate(trace.entries()):
         record = storages[storage]
@@ -104,8 +105,25 @@ def emptiable(trace: Trace) -> dict[int, int]:
         if not code_holds or storage in trace.held:
             continue
         after = bisect.bisect_right(event_ops, record.last_read_op)
+        after = max(after, saved.get(storage, [-1])[-1] + 1)  # and past its last save
         if after < len(event_ops):
             found[ordinal] = trace.events[after].level
+    return found
+
+
+# Note: [A save in forward reads what it saves]
+# A save is a read: the runtime holds what it saves as it is then, so a storage empty at its save
+# stays empty for backward. Forward may save a storage again after its last read by an op, or
+# between two reads: a custom autograd function saves its inputs as it returns, after the ops
+# that read them (a norm over slabs saves each piece it normalized, as the op that reshapes its
+# output ends). Neither emptying nor a gap may take in such a save.
+def _forward_saves(trace: Trace) -> dict[int, list[int]]:
+    """The saved-tensor events (their indices) at which forward saves each storage, in order
+    (Note [A save in forward reads what it saves])."""
+    found: dict[int, list[int]] = {}
+    for index, event in enumerate(trace.events):
+        if event.kind == "save" and event.op < trace.backward_start_op:
+            found.setdefault(event.storage, []).append(index)
     return found
 
 
@@ -140,6 +158,7 @@ def held_gaps(trace: Trace) -> dict[int, tuple[tuple[int, int], ...]]:
         if op.phase == "forward":
             for storage in held.keys() & set(op.inputs):
                 reads.setdefault(storage, []).append(op.index)
+    saved = _forward_saves(trace)
     found = {}
     for storage, ops in reads.items():
         ordinal = held[storage]
@@ -148,6 +167,12 @@ def held_gaps(trace: Trace) -> dict[int, tuple[tuple[int, int], ...]]:
         for read, next_read in itertools.pairwise(op for op in ops if op >= entries[ordinal][2]):
             empty = bisect.bisect_right(event_ops, read)
             fill = bisect.bisect_right(event_ops, next_read) - 1
+            # filled again for each save between (Note [A save in forward reads what it saves])
+            for save in saved.get(storage, ()):
+                if empty <= save < fill:
+                    if event_ops[empty] < event_ops[save]:
+                        gaps.append((events[empty].level, events[save].level))
+                    empty = save + 1
             if empty < fill and event_ops[empty] < event_ops[fill]:  # an op runs between
                 gaps.append((events[empty].level, events[fill].level))
         if gaps:

@@ -119,11 +119,14 @@ def emptiable(trace: Trace) -> dict[int, int]:
 # output ends). Neither emptying nor a gap may take in such a save.
 def _forward_saves(trace: Trace) -> dict[int, list[int]]:
     """The saved-tensor events (their indices) at which forward saves each storage, in order
-    (Note [A save in forward reads what it saves])."""
-    found: dict[int, list[int]] = {}
-    for index, event in enumerate(trace.events):
-        if event.kind == "save" and event.op < trace.backward_start_op:
-            found.setdefault(event.storage, []).append(index)
+    (Note [A save in forward reads what it saves]); derived once per trace (Note [A trace
+    derives once]), do not mutate it."""
+    found: dict[int, list[int]] | None = trace.memo.get("forward_saves")
+    if found is None:
+        found = trace.memo["forward_saves"] = {}
+        for index, event in enumerate(trace.events):
+            if event.kind == "save" and event.op < trace.backward_start_op:
+                found.setdefault(event.storage, []).append(index)
     return found
 
 

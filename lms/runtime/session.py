@@ -56,14 +56,14 @@ __all__ = ["Session", "no_offload", "no_offload_in"]
 log = logging.getLogger("lms.runtime")
 
 
-# Long by design: the context manager's public surface (settings, hooks, tune, close, stats)
-# in one class; the work is in `follow`, `step`, `store`, `recompute` and `relief`.
 def _slot(storage: torch.UntypedStorage) -> tuple[str, int]:
     """Where ``storage`` is: its key in the runtime's maps of storages (a freed storage's
     address may name another later, so each map checks a weak reference beside it)."""
     return str(storage.device), storage.data_ptr()
 
 
+# Long by design: the context manager's public surface (settings, hooks, tune, close, stats)
+# in one class; the work is in `follow`, `step`, `store`, `recompute` and `relief`.
 class Session:
     """The runtime of `lms.LMS`, without its planning (`lms.LMS.tune`, a layer above): the
     saved-tensor hooks, the stores and the step's state. `lms.LMS` documents its use.

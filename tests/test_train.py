@@ -349,6 +349,17 @@ def tiny_gpt_oss():
     return transformers.GptOssForCausalLM(config)
 
 
+def tiny_vit():
+    """A Hugging Face vision transformer that takes images of 32 px only, as its config says."""
+    import transformers
+
+    config = transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=3,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
 def tiny_bart():
     """A Hugging Face encoder-decoder model: its decoder runs on tokens made from its labels."""
     import transformers
@@ -415,6 +426,19 @@ def test_a_model_without_a_size_is_taken_at_its_default(builder, shape, tmp_path
         assert main(argv) == 0
     assert json.loads(out.read_text())["input_shapes"][0] == shape
     assert "at its default size" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "builder, size", [("tiny_vit", 32), ("tiny_bart", 32), ("tiny_llama", 512)]
+)
+def test_a_hugging_face_model_is_taken_at_the_size_its_config_sets(builder, size):
+    """A vision model's config sets its images' size, which no other size passes; a language
+    model's its most positions, where fewer than the default 512 tokens."""
+    pytest.importorskip("transformers")
+    entry = zoo_model(f"tests.test_train:{builder}")
+    assert entry.default_size == size
+    inputs, _ = entry.make_batch(entry.default_size, 1)
+    assert inputs.shape[-1] == size
 
 
 def test_a_torchvision_model_is_taken_at_the_size_its_weights_crop_to():

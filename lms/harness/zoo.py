@@ -462,6 +462,26 @@ _ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
 """What PyTorch's batch norm raises in training mode on one value a channel."""
 
 
+def _configured_size(config: object, dims: int) -> int | None:
+    """The size a Hugging Face model's ``config`` sets for its input, where it sets one: the
+    images of a vision model (``image_size``, square), or the most tokens of a language model
+    (``max_position_embeddings``, ``n_positions``) where fewer than its kind's default; None
+    where it sets none, so the kind's default holds."""
+    if config is None:
+        return None
+    if dims in (2, 3):
+        size = getattr(config, "image_size", None)
+        if isinstance(size, (tuple, list)) and size and len(set(size)) == 1:
+            size = size[0]
+        return size if isinstance(size, int) and size > 0 else None
+    if dims == 0:
+        for key in ("max_position_embeddings", "n_positions"):
+            positions = getattr(config, key, None)
+            if isinstance(positions, int) and 0 < positions < _DEFAULT_SIZES[0]:
+                return positions
+    return None
+
+
 def _imported(
     name: str,
     build: Callable[[], torch.nn.Module],
@@ -476,7 +496,8 @@ def _imported(
     output's channels, per sample, pixel or token as the output has them (a token's last: a
     language model's logits), or with one channel a regression on zeros. The builder runs on
     the meta device to find them (`on_meta`), so this mostly costs no memory. Its size when none
-    is given is ``default_size``, else its kind's (`_DEFAULT_SIZES`).
+    is given is ``default_size``, else what its Hugging Face config sets (`_configured_size`),
+    else its kind's (`_DEFAULT_SIZES`).
 
     Raises:
         ValueError: the builder fails, or the model has neither a convolution nor an embedding
@@ -644,7 +665,7 @@ def _imported(
         make,
         ("tokens", "samples", "pixels", "voxels")[dims],
         (lambda s: frames * s * s) if frames is not None else (lambda s: s ** max(dims, 1)),
-        default_size or _DEFAULT_SIZES[dims],
+        default_size or _configured_size(config, dims) or _DEFAULT_SIZES[dims],
         _labelled_step if seq2seq else _token_step if dims == 0 else _classify_step,
         classifies_images=dims == 2 and getattr(first, "in_channels", 0) == 3,
         smallest_batch_at=smallest_batch,

@@ -4,7 +4,7 @@ its budget (Note [Slabs])."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from lms.analysis.simulate import SimResult, simulate
 from lms.core.devices import DeviceSpec
@@ -66,6 +66,10 @@ def fit_in_slabs(
     (skipping containers that are never called, such as a ``ModuleList``) is run in slabs, if
     it has a convolution over a spatial input; then the step is traced again
     and its floor found again. A submodule named twice gets the next count of `SLAB_COUNTS`.
+    Where its slabs stop the trace (past the ops allowed, below, or at an op that will not
+    split) or at their most do not fit, the next submodule on the path inside it that
+    convolves is tried in its place (slabs do not nest): MONAI's `UNet` and `AttentionUnet`
+    hold their whole network in one ``model``, and the block where they peak fits alone.
     It stops at the first trace whose floor fits, so each submodule has the fewest slabs that
     fit (a few slabs may need more than the whole module: each slab's gradient is made apart
     before they are joined; in a 3D U-Net's decoder block, 4 and 8 slabs raised the floor and
@@ -107,6 +111,18 @@ def fit_in_slabs(
         and budget - spec.workspace_bytes < _REACH * (first.min_budget_bytes - spec.workspace_bytes)
     )
     current, slabs, error = whole, dict[str, int](), first
+    refused: set[str] = set()  # whose slabs stopped the trace, or whose most slabs did not fit
+    tried: dict[tuple[tuple[str, int], ...], tuple[Trace, PlanInfeasibleError | None]] = {
+        (): (whole, first)  # each trace in slabs and why no plan fits it, by its slabs
+    }
+
+    def back_from(unit: str) -> tuple[dict[str, int], Trace, PlanInfeasibleError | None]:
+        """Slabs as they were before ``unit`` ran in slabs, their trace and its floor's error,
+        where that trace was taken; as they are otherwise."""
+        kept = {name: count for name, count in slabs.items() if not _nested(name, unit)}
+        found = tried.get(tuple(sorted(kept.items())))
+        return (kept, *found) if found is not None else (slabs, current, error)
+
     for _ in range(_ROUNDS if allowed and not hopeless else 0):
         if error is None:
             if slabs:
@@ -121,26 +137,35 @@ def fit_in_slabs(
                     simulate(whole, None, spec, half=half).step_s,
                 )
             return current
-        unit = _unit(current, error.op_module)
+        unit = _unit(current, error.op_module, refused)
         if unit is None:
             break
-        if unit not in slabs:
-            slabs[unit] = SLAB_COUNTS[0]
-        elif slabs[unit] < SLAB_COUNTS[-1]:
-            slabs[unit] = next(count for count in SLAB_COUNTS if count > slabs[unit])
+        # slabs do not nest: a submodule replaces the module it lies in
+        trial = {name: count for name, count in slabs.items() if not _nested(name, unit)}
+        count = slabs.get(unit)
+        if count is None:
+            trial[unit] = SLAB_COUNTS[0]
+        elif count < SLAB_COUNTS[-1]:
+            trial[unit] = next(more for more in SLAB_COUNTS if more > count)
         else:
-            break
+            refused.add(unit)
+            slabs, current, error = back_from(unit)
+            continue
         try:
-            current = trace_with(slabs=dict(slabs), max_ops=_most_ops(whole, slabs))
-        except (SplitError, StepFailedError) as refused:  # the module would not run in slabs
+            traced = trace_with(slabs=dict(trial), max_ops=_most_ops(whole, trial))
+        except (SplitError, StepFailedError) as stopped:  # the module would not run in slabs
             log.info(
-                "[LMS] With %s in slabs the step stopped, so it is planned whole: %s",
-                named_slabs(slabs),
-                str(refused).removeprefix("lms: ").split("\n")[0],
+                "[LMS] With %s in slabs the step stopped (%s): the submodules of %s are tried",
+                named_slabs(trial),
+                str(stopped).removeprefix("lms: ").split("\n")[0],
+                unit,
             )
-            slabs = {}  # none of these ran
-            break
+            refused.add(unit)
+            slabs, current, error = back_from(unit)
+            continue
+        slabs, current = trial, traced
         error = _floor_error(current, spec, budget, half=half, free_held=free_held)
+        tried[tuple(sorted(slabs.items()))] = (current, error)
     if slabs and error is not None:
         log.info(
             "[LMS] In slabs (%s) the least a plan needs is still %s, at %s, over the budget of "
@@ -180,23 +205,31 @@ def _floor_error(
     return None
 
 
-def _unit(trace: Trace, module: str) -> str | None:
+def _unit(trace: Trace, module: str, refused: Collection[str] = ()) -> str | None:
     """The outermost submodule on ``module``'s path (a trace's dotted module path, the model's
-    class first) that forward called and that runs a convolution over a spatial input, by its
-    name in the model; else None. A ``ModuleList`` on the path is never called: the module it
-    holds stands for it."""
+    class first) that forward called, that is not ``refused`` and that runs a convolution over a
+    spatial input, by its name in the model; else None. A ``ModuleList`` on the path is never
+    called: the module it holds stands for it."""
     parts = module.split(".")
     for depth in range(2, len(parts) + 1):
         prefix = ".".join(parts[:depth])
         if trace.modules and prefix not in trace.modules:
+            continue
+        name = ".".join(parts[1:depth])
+        if name in refused:
             continue
         convolves = any(
             op.name.startswith("aten.convolution")
             and (op.module == prefix or op.module.startswith(prefix + "."))
             for op in trace.ops
         )
-        return ".".join(parts[1:depth]) if convolves else None
+        return name if convolves else None
     return None
+
+
+def _nested(one: str, other: str) -> bool:
+    """Whether submodule ``one`` is ``other``, lies in it, or holds it."""
+    return one == other or one.startswith(other + ".") or other.startswith(one + ".")
 
 
 def faster_in_slabs(

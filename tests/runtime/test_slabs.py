@@ -257,8 +257,9 @@ class _DenseBlock(torch.nn.Module):
 def test_a_trace_in_slabs_that_multiplies_the_steps_ops_is_stopped(caplog, monkeypatch):
     """Note [Which submodules run in slabs]: a dense block read a slab at a time runs its
     concatenated features again for every piece; the trace stops at twice as many ops as the
-    slabs times the whole step's, and the step is planned whole (here with no least count of
-    ops, which a step this small would stay under)."""
+    slabs times the whole step's (here with no least count of ops, which a step this small
+    would stay under), its layers are tried in its place, and where none fits the step is
+    planned whole."""
     from lms.analysis import trace_step
     from lms.core.slabs import SplitError
     from lms.orchestration import split
@@ -285,10 +286,13 @@ def test_a_trace_in_slabs_that_multiplies_the_steps_ops_is_stopped(caplog, monke
 
     with caplog.at_level(logging.INFO, logger="lms"):
         assert fit_in_slabs(trace_with, spec, floor - 1, trace=whole) is whole
-    assert traced[-1][0]["1"] == 4 and traced[-1][1] == 8 * len(whole.ops)
+    stopped = traced.index(({"2": 4, "1": 4}, 8 * len(whole.ops)))  # the dense block's slabs
+    later = [name for slabs, _ in traced[stopped + 1 :] for name in slabs]
+    assert "1" not in later and any(name.startswith("1.layers.") for name in later)  # its layers
     assert any(
-        "in slabs the step stopped, so it is planned whole" in r.getMessage()
+        "in slabs the step stopped" in r.getMessage()
         and "ran past" in r.getMessage()
+        and "the submodules of 1 are tried" in r.getMessage()
         for r in caplog.records
     )
 
@@ -319,6 +323,37 @@ def test_a_small_step_mostly_in_slabs_is_traced_in_them_past_twice_its_ops_per_s
     most = 2 * max(count for _, count in split.slabs) * len(whole.ops)
     assert split.slabs and most < len(split.ops) <= LEAST_OPS_STOPPED
     assert _floor_error(split, spec, budget, half=False, free_held=False) is None
+
+
+def test_a_module_whose_slabs_stop_the_trace_gives_way_to_the_block_inside_it(monkeypatch):
+    """Note [Which submodules run in slabs]: MONAI's UNet holds its whole network in ``model``;
+    where that module's slabs stop the trace (here past twice the slabs times the whole step's
+    ops, with no least count), the block inside it where the step peaks runs in slabs instead,
+    and fits."""
+    from monai.networks.nets import UNet
+
+    from lms.analysis import trace_step
+    from lms.orchestration import split
+    from lms.orchestration.split import _floor_error, fit_in_slabs
+
+    monkeypatch.setattr(split, "LEAST_OPS_STOPPED", 0)
+    torch.manual_seed(0)
+    model = UNet(3, 1, 2, channels=(4, 8, 16), strides=(2, 2), num_res_units=1)
+    x = torch.randn(1, 1, 48, 48, 48)
+    whole = trace_step(model, [x], _unet_step, device="cpu")
+    spec = lms.device_spec("cpu")
+    budget = int(0.9 * _floor_error(whole, spec, 1, half=False, free_held=False).min_budget_bytes)
+    traced = []
+
+    def trace_with(slabs, max_ops=None):
+        traced.append(dict(slabs))
+        return trace_step(model, [x], _unet_step, device="cpu", slabs=slabs, max_ops=max_ops)
+
+    split_step = fit_in_slabs(trace_with, spec, budget, trace=whole, refuse=True)
+    assert traced[0] == {"model": 4}  # the outermost first: it stopped
+    names = [name for name, _ in split_step.slabs]
+    assert names and all(name.startswith("model.") for name in names)
+    assert _floor_error(split_step, spec, budget, half=False, free_held=False) is None
 
 
 def test_a_tuned_plan_in_slabs_is_cached_and_loaded_for_its_step(tmp_path, caplog):
@@ -383,9 +418,10 @@ def test_what_a_module_in_slabs_saves_is_recomputed_as_the_plan_says(spill_dir):
     offload.close()
 
 
-def test_a_submodule_that_cannot_run_in_slabs_leaves_the_step_whole(caplog):
+def test_a_submodule_that_cannot_run_in_slabs_gives_way_to_the_convolution_inside_it(caplog):
     """Its forward reads a tensor that is neither an input, a parameter nor a buffer: the
-    recording refuses, and the step is planned whole (here: no plan fits), with the reason."""
+    recording refuses, with the reason, and the convolution inside it runs in slabs instead
+    (Note [Which submodules run in slabs])."""
 
     class Scaled(torch.nn.Module):
         def __init__(self):
@@ -407,10 +443,11 @@ def test_a_submodule_that_cannot_run_in_slabs_leaves_the_step_whole(caplog):
         report = lms.analyze(
             model, [x], _unet_step, gpu_memory=floor.min_budget_bytes * 9 // 10, device_spec="cpu"
         )
-    assert not report.fits and report.trace.slabs == ()
+    assert report.fits and report.trace.slabs == (("1.conv", 4),)
     assert any(
         "With 1 in 4 in slabs the step stopped" in r.getMessage()
         and "neither an input" in r.getMessage()
+        and "the submodules of 1 are tried" in r.getMessage()
         for r in caplog.records
     )
 

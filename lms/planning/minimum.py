@@ -71,6 +71,13 @@ def smallest_plan(candidates: Candidates, first: str = "relieve") -> tuple[Plan,
             f"{format_bytes(trace.weights_and_grads_bytes)}{beside}, over the budget whatever "
             "the batch: raise the budget, or shard the weights over processes (FSDP)"
         )
+    elif 2 * trace.weights_and_grads_bytes >= result.peak_bytes - workspace:
+        # a small batch, whose share of its peak leaves little beside the weights: say so
+        remedy = (
+            f"the weights, buffers and gradients take {format_bytes(trace.weights_and_grads_bytes)}"
+            f" of it whatever the batch, and no plan moves them: {remedy}, or shard the weights "
+            "over processes (FSDP)"
+        )
     remedy += _free_held_hint(candidates, result.peak_bytes)
     raise PlanInfeasibleError(
         f"lms: budget {format_bytes(candidates.budget_bytes)} is below the "

@@ -235,7 +235,8 @@ def test_infeasible_budget_names_the_op_and_the_minimum():
 
 def test_a_budget_under_the_weights_and_their_gradients_says_no_batch_fits():
     """Where the weights, buffers and gradients alone are over the budget, a smaller batch
-    cannot help: the error says so, with their size, where it otherwise asks for one."""
+    cannot help: the error says so, with their size, where it otherwise asks for one; where
+    they are most of the floor, it says how much of it they take."""
     wide = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)])  # 16 MiB of weights
     trace = trace_step(wide, [torch.randn(8, 1024)], device="cpu")
     spec = device_spec("cpu")
@@ -249,6 +250,8 @@ def test_a_budget_under_the_weights_and_their_gradients_says_no_batch_fits():
     with pytest.raises(lms.PlanInfeasibleError) as info:
         plan_auto(trace, spec, held + (floor - held) // 2)
     assert "lower the batch size" in str(info.value)
+    # most of that floor is the weights': the error says how much
+    assert f"gradients take {format_bytes(held)} of it" in str(info.value)
 
 
 def test_tflms_logs_each_passing_set(caplog):

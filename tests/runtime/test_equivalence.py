@@ -430,7 +430,7 @@ def test_a_compiled_model_is_tuned_without_replays_and_stays_bitwise(
         elif compiled and where == "step":
             compiled_step = torch.compile(step)
         ref = run(model, compiled_step)
-        offload = lms.LMS(budget="4MiB", tier="disk", spill_dir=spill_dir, model=model)
+        offload = lms.LMS(budget="4.25MiB", tier="disk", spill_dir=spill_dir, model=model)
         caplog.clear()
         with caplog.at_level("WARNING", logger="lms"):
             plans.append(offload.tune(model, [x], compiled_step, cache_dir=spill_dir))

@@ -80,8 +80,6 @@ def test_pieces_a_norm_in_slabs_saves_again_are_not_emptied_before_those_saves(s
     normalized as its autograd function returns, after the op that read it last; a plan that
     empties what the code holds emptied the pieces from there, and the norm saved them empty.
     The plan now empties each after its last save, and the step runs bitwise."""
-    import functools
-
     from monai.networks.nets import BasicUNet
 
     from lms.analysis import trace_step
@@ -95,7 +93,7 @@ def test_pieces_a_norm_in_slabs_saves_again_are_not_emptied_before_those_saves(s
     x = torch.randn(1, 1, 80, 80, 80).contiguous(memory_format=fmt)
     slabs = {"upcat_1.convs.conv_0": 4}
     spec = local_device_spec(torch.device("cpu"))
-    trace = functools.partial(trace_step, model, [x], _unet_step, device="cpu")(slabs=slabs)
+    trace = trace_step(model, [x], _unet_step, device="cpu", slabs=slabs)
     budget = trace.param_bytes + trace.buffer_bytes + trace.input_bytes + 110 * 2**20
     plan = plan_auto(trace, spec, budget, free_held=True, max_simulations=200)
     plan = dataclasses.replace(plan, slabs=trace.slabs, use_order=trace.use_order, sync_mode=3)

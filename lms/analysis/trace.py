@@ -16,6 +16,7 @@ import logging
 import random
 import sys
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -345,6 +346,23 @@ def _refuse_lazy(model: torch.nn.Module) -> None:
             )
 
 
+_BUILT_REAL: weakref.WeakSet[Callable[[], torch.nn.Module]] = weakref.WeakSet()
+"""Builders that could not be built under fake tensors: a step traced again (in slabs, for
+another size) builds them for real at once, without trying, or saying so, again."""
+
+
+def _builds_real(model: Callable[[], torch.nn.Module]) -> bool:
+    try:
+        return model in _BUILT_REAL
+    except TypeError:  # a builder that takes no weak reference
+        return False
+
+
+def _remember_real(model: Callable[[], torch.nn.Module]) -> None:
+    with contextlib.suppress(TypeError):  # a builder that takes no weak reference
+        _BUILT_REAL.add(model)
+
+
 def _build(
     model: torch.nn.Module | Callable[[], torch.nn.Module],
     fake_mode: FakeTensorMode,
@@ -362,14 +380,18 @@ def _build(
         _refuse_lazy(model)
         return model, True
     try:
-        with fake_mode, torch.device(target):
-            built, real = model(), False
+        if _builds_real(model):  # said once, at its first trace
+            built, real = model(), True
+        else:
+            with fake_mode, torch.device(target):
+                built, real = model(), False
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         log.info(
             "[LMS] the model's builder reads the value of a tensor (%s), which fake tensors "
             "do not have; building it for real on the CPU",
             error.func,
         )
+        _remember_real(model)
         built, real = model(), True
     except RuntimeError as error:
         if "UninitializedParameter" in str(error):  # a lazy module, which fake tensors cannot make
@@ -386,6 +408,7 @@ def _build(
             "fake ones; building it for real on the CPU",
             error,
         )
+        _remember_real(model)
         built, real = model(), True
     if not isinstance(built, torch.nn.Module):
         raise TypeError(f"lms: the model builder returned {type(built).__name__}, not a module")

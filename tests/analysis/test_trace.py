@@ -343,6 +343,11 @@ def test_a_builder_that_reads_tensor_values_is_built_for_real(caplog):
         trace = trace_step(build, [torch.randn(2, 4)], device="cpu")
     assert "building it for real" in caplog.text
     assert trace.param_bytes == (4 * 8 + 8) * 4
+    caplog.clear()
+    with caplog.at_level("INFO", logger="lms"):  # traced again (in slabs, at another size)
+        again = trace_step(build, [torch.randn(3, 4)], device="cpu")
+    assert "building it for real" not in caplog.text  # said once
+    assert again.param_bytes == trace.param_bytes
     with pytest.raises(TypeError, match="not a module"):
         trace_step(lambda: 3, [torch.randn(2, 4)], device="cpu")
 

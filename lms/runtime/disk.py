@@ -267,14 +267,20 @@ class SpillStore:
             # where the storage changes while it is written. A saved view may cover part of its
             # storage while the step still writes the rest, bytes backward never reads (a GRU's
             # storages were seen to change so on CPU); a digest taken apart from the write
-            # would not match the file there.
+            # would not match the file there. Each chunk is copied by `ctypes.memmove`, which
+            # lets go of the interpreter lock while it copies, as the digest and the write do; a
+            # slice assignment holds it, and the step's thread, which takes the lock back after
+            # each op it runs, waited for it (benchmarks/results/README.md, "The I/O thread and
+            # the interpreter lock").
             if self._bounce is None:  # a mapping of its own, outside the C heap
                 self._bounce = memoryview(mmap.mmap(-1, _CHUNK_BYTES))
             bounce = self._bounce
+            into = ctypes.addressof(ctypes.c_char.from_buffer(bounce))
+            source = data.data_ptr()
             done = 0
             while done < len(view):
                 size = min(_CHUNK_BYTES, len(view) - done)
-                bounce[:size] = view[done : done + size]
+                ctypes.memmove(into, source + done, size)
                 digest.update(bounce[:size])
                 written = 0
                 while written < size:

@@ -372,9 +372,11 @@ def _build(
 
     A builder runs under fake tensors, so that a model too large for this machine's memory
     costs none. One whose own code reads a tensor's value (RegNet computes its widths with
-    tensors), which fake tensors cannot give, or converts the module it made
-    (``.to(memory_format=torch.channels_last)``, which PyTorch cannot do to fake parameters), is
-    built for real instead.
+    tensors), which fake tensors cannot give, converts the module it made
+    (``.to(memory_format=torch.channels_last)``, which PyTorch cannot do to fake parameters), or
+    fails under fake tensors otherwise, is built for real instead; where the real build fails
+    too, its own error is raised. Layers it deep-copies are copied as fake tensors (Note [A fake
+    tensor deep-copied]).
     """
     if isinstance(model, torch.nn.Module):
         _refuse_lazy(model)
@@ -383,7 +385,7 @@ def _build(
         if _builds_real(model):  # said once, at its first trace
             built, real = model(), True
         else:
-            with fake_mode, torch.device(target):
+            with fake_mode, torch.device(target), _fake_deepcopy():
                 built, real = model(), False
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         log.info(
@@ -401,18 +403,60 @@ def _build(
             if isinstance(lazy, torch.nn.Module):
                 _refuse_lazy(lazy)
             raise
-        if not str(error).startswith("_apply(): Couldn't swap"):
-            raise
-        log.info(
-            "[LMS] the model's builder converts its parameters (%s), which PyTorch cannot do to "
-            "fake ones; building it for real on the CPU",
-            error,
-        )
-        _remember_real(model)
-        built, real = model(), True
+        built, real = _built_for_real(model, error)
+    except Exception as error:  # the user's builder: fake tensors cannot run it
+        built, real = _built_for_real(model, error)
     if not isinstance(built, torch.nn.Module):
         raise TypeError(f"lms: the model builder returned {type(built).__name__}, not a module")
     return built, real
+
+
+# Note: [A fake tensor deep-copied]
+# A builder may copy a layer it made with `copy.deepcopy` (MONAI's SegResNetDS2 copies its
+# decoder so). Under fake tensors a parameter's copy is a clone, which fake tensors make; but a
+# buffer's (a batch norm's running statistics) goes through its storage, which PyTorch cannot
+# give a fake tensor, and the failed copy left the process's heap corrupted: it aborted at exit.
+# So while a builder runs under fake tensors, a fake tensor's deep copy is its clone.
+_DEEPCOPY = "__deepcopy__"
+
+
+@contextlib.contextmanager
+def _fake_deepcopy() -> Iterator[None]:
+    """Deep copies of fake tensors made as clones while in the block (Note [A fake tensor
+    deep-copied])."""
+
+    def deepcopy(self: FakeTensor, memo: dict[int, Any]) -> torch.Tensor:
+        copied: torch.Tensor | None = memo.get(id(self))
+        if copied is None:
+            with torch.no_grad():
+                copied = self.clone()
+            memo[id(self)] = copied.requires_grad_(self.requires_grad)
+        return copied
+
+    before = FakeTensor.__dict__.get(_DEEPCOPY)
+    setattr(FakeTensor, _DEEPCOPY, deepcopy)
+    try:
+        yield
+    finally:
+        if before is None:
+            delattr(FakeTensor, _DEEPCOPY)
+        else:
+            setattr(FakeTensor, _DEEPCOPY, before)
+
+
+def _built_for_real(
+    model: Callable[[], torch.nn.Module], error: Exception
+) -> tuple[torch.nn.Module, bool]:
+    """``model`` built for real, where building it under fake tensors raised ``error``; the
+    real build's own error, where it fails too, is the builder's."""
+    built = model()
+    if str(error).startswith("_apply(): Couldn't swap"):
+        why = f"converts its parameters ({error}), which PyTorch cannot do to fake ones"
+    else:
+        why = f"fails under fake tensors ({type(error).__name__}: {error})"
+    log.info("[LMS] the model's builder %s; building it for real on the CPU", why)
+    _remember_real(model)
+    return built, True
 
 
 # Note: [Fake weights share their buffer]

@@ -1,12 +1,13 @@
 """The fake-tensor trace: peaks against torch's MemTracker, events against the runtime."""
 
 import contextlib
+import copy
 import dataclasses
 import itertools
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import lms
@@ -361,6 +362,39 @@ def test_a_builder_that_converts_its_module_is_built_for_real(caplog):
         trace = trace_step(build, [torch.randn(1, 3, 16, 16)], device="cpu")
     assert "converts its parameters" in caplog.text
     assert trace.param_bytes == (8 * 3 * 9 + 8) * 4
+
+
+def test_a_builder_that_deep_copies_a_batch_norm_is_traced_under_fake_tensors(caplog):
+    # MONAI's SegResNetDS2 copies its decoder with copy.deepcopy; a fake batch norm's buffers
+    # went through their storage, and the failed copy left the heap corrupted (the process
+    # aborted at exit). Note [A fake tensor deep-copied]
+    def build():
+        norm = torch.nn.BatchNorm1d(4)
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), norm, copy.deepcopy(norm))
+
+    with caplog.at_level("INFO", logger="lms"):
+        trace = trace_step(build, [torch.randn(2, 4)], device="cpu")
+    assert "building it for real" not in caplog.text  # built fake: costs no memory
+    assert trace.param_bytes == (4 * 4 + 4 + 2 * (4 + 4)) * 4
+    assert "__deepcopy__" not in FakeTensor.__dict__  # only while the builder runs
+
+
+def test_a_builder_that_fails_under_fake_tensors_is_built_for_real(caplog):
+    def build():
+        width = int(torch.tensor([8]).numpy()[0])  # fake tensors have no numpy()
+        return torch.nn.Linear(4, width)
+
+    with caplog.at_level("INFO", logger="lms"):
+        trace = trace_step(build, [torch.randn(2, 4)], device="cpu")
+    assert "fails under fake tensors (RuntimeError" in caplog.text
+    assert "building it for real" in caplog.text
+    assert trace.param_bytes == (4 * 8 + 8) * 4
+
+    def broken():  # fails for real too: the builder's own error, not a fake tensor's
+        raise KeyError("no such layer")
+
+    with pytest.raises(KeyError, match="no such layer"):
+        trace_step(broken, [torch.randn(2, 4)], device="cpu")
 
 
 def _conv_trace(layout):

@@ -558,7 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     args.start = args.seq_len
                 else:
                     args.image_size = args.seq_len
-            if args.command in ("analyze", "train") and args.image_size is None:
+            defaulted = args.command in ("analyze", "train") and args.image_size is None
+            if defaulted:
                 args.image_size = entry.default_size
                 log.info(
                     "[LMS] %s at its default size, %s (--image-size or --seq-len sets another)",
@@ -572,6 +573,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "size (--start, --seq-len) to grow by"
                     )
                 args.step = args.start
+            if args.command in ("analyze", "train") and defaulted:
+                args.image_size = entry.first_size_taken(args.image_size, args.batch_size)
             if args.batch_size is None:
                 args.batch_size = entry.default_batch(
                     getattr(args, "image_size", None) or entry.default_size

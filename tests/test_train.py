@@ -289,6 +289,28 @@ def pooled_classifier():
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AvgPool2d(5), torch.nn.Flatten())
 
 
+class _Tiled(torch.nn.Module):
+    """Takes images whose edge is a multiple of ``tile`` alone, as a model of fixed tiles does."""
+
+    def __init__(self, tile: int):
+        super().__init__()
+        self.tile = tile
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, x):
+        if x.shape[-1] % self.tile:
+            raise ValueError(f"the edge must be a multiple of {self.tile}, got {x.shape[-1]}")
+        return self.conv(x).mean((2, 3))
+
+
+def tiled_by_64():
+    return _Tiled(64)
+
+
+def tiled_by_1000():
+    return _Tiled(1000)
+
+
 def pooled_then_normalized():
     """A BatchNorm after pooling to one pixel (an auxiliary classifier's): one value a channel
     in a sample, which training mode refuses."""
@@ -426,6 +448,24 @@ def test_a_model_without_a_size_is_taken_at_its_default(builder, shape, tmp_path
         assert main(argv) == 0
     assert json.loads(out.read_text())["input_shapes"][0] == shape
     assert "at its default size" in caplog.text
+
+
+def test_a_default_size_the_model_rejects_gives_way_to_the_first_it_takes(tmp_path, caplog):
+    """Note [A default size the model rejects]: 224 px is no multiple of 64, 256 is; a size the
+    user gives is refused as it is, and a model that takes none up to twice the default is
+    refused at it."""
+    out = tmp_path / "r.json"
+    with caplog.at_level("INFO", logger="lms"):
+        argv = ["analyze", "--model", "tests.test_train:tiled_by_64", "--json", str(out)]
+        assert main(argv) == 0
+    assert json.loads(out.read_text())["input_shapes"][0] == [1, 3, 256, 256]
+    assert "rejects its default, 224 px (ValueError: the edge must be a multiple of 64" in (
+        caplog.text
+    )
+    argv = ["-q", "analyze", "--model", "tests.test_train:tiled_by_64", "--image-size", "224"]
+    assert main([*argv, "--json", str(out)]) == 2
+    argv = ["-q", "analyze", "--model", "tests.test_train:tiled_by_1000", "--json", str(out)]
+    assert main(argv) == 2
 
 
 @pytest.mark.parametrize(

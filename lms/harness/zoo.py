@@ -29,6 +29,10 @@ log = logging.getLogger("lms.harness.zoo")
 __all__ = ["BatchRejectedError", "ZooModel", "ZOO", "zoo_model", "on_meta", "TinyLM"]
 
 
+_TRY_ANOTHER = "; try another size or batch size"
+"""How a `BatchRejectedError` of the model's own ends."""
+
+
 class BatchRejectedError(ValueError):
     """The model itself rejects a batch of the asked size: its own error is in the message (a
     ViT built for 224 px given 448, a U-Net given fewer voxels than it pools)."""
@@ -77,6 +81,38 @@ class ZooModel:
     def default_batch(self, size: int) -> int:
         """The command line's default batch size at ``size``: the smallest the model trains on."""
         return self.min_batch if self.smallest_batch_at is None else self.smallest_batch_at(size)
+
+    def first_size_taken(self, size: int, batch_size: int | None = None) -> int:
+        """``size``, where the model takes a batch of it; else the first larger size it takes,
+        in steps of 32 pixels or 16 voxels up to twice ``size`` (Note [A default size the model
+        rejects]). ``batch_size``: None for each size's default batch.
+
+        Raises:
+            BatchRejectedError: the model takes none of them (the message is ``size``'s).
+        """
+        step = {"pixels": 32, "voxels": 16}.get(self.unit)
+        try:
+            self.make_batch(size, batch_size or self.default_batch(size))
+            return size
+        except BatchRejectedError as rejected:
+            if step is None:
+                raise
+            for larger in range((size // step + 1) * step, 2 * size + 1, step):
+                try:
+                    self.make_batch(larger, batch_size or self.default_batch(larger))
+                except BatchRejectedError:
+                    continue
+                why = str(rejected).split(": ", 2)[-1].removesuffix(_TRY_ANOTHER)
+                log.info(
+                    "[LMS] %s rejects its default, %s (%s); taking %s, the first larger size "
+                    "it takes (--image-size sets another)",
+                    self.name,
+                    self.sized(size),
+                    why,
+                    self.sized(larger),
+                )
+                return larger
+            raise
 
     def check_batch(self, batch_size: int) -> None:
         """Refuse a batch the model cannot train on, before anything is built.
@@ -457,6 +493,14 @@ _INPUTS: dict[type[torch.nn.Module], int] = {
     torch.nn.Conv3d: 3,
 }
 """The modules an imported model's input is told from, with its spatial dims (0: tokens)."""
+# Note: [A default size the model rejects]
+# A builder's model gets its kind's size where nothing says another (`_DEFAULT_SIZES`), and some
+# take only sizes their pooling or their fixed shapes allow: MONAI's AHNet pools 96 voxels to
+# nothing and takes 128, HoVerNet asks for 256 px. Where the user gave no size, `lms analyze`
+# and `lms train` then take the first larger size the model takes, probed on fake tensors a
+# step at a time (32 pixels, 16 voxels) up to twice the default, and say so; a size the user
+# gave is taken or refused as it is, and a model that takes none of them is refused at its
+# default, with its own error.
 _DEFAULT_SIZES = {0: 512, 1: 16000, 2: 224, 3: 96}
 _ONE_VALUE_PER_CHANNEL = "Expected more than 1 value per channel when training"
 """What PyTorch's batch norm raises in training mode on one value a channel."""
@@ -645,7 +689,7 @@ def _imported(
             channels[0] = taken
             raise BatchRejectedError(
                 f"lms: model={name!r} fails on a batch of shape {list(inputs.shape)}: "
-                f"{type(error).__name__}: {error}; try another size or batch size"
+                f"{type(error).__name__}: {error}{_TRY_ANOTHER}"
             ) from None
         return _targets(inputs, shape)
 

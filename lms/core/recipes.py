@@ -248,6 +248,21 @@ def _find(trace: Trace) -> dict[int, Recipe]:
     ordinal_of = {storage: i for i, (storage, _, _) in enumerate(entries)}
     first_save = {storage: save_op for storage, _, save_op in entries}
     storages = {record.id: record for record in trace.storages}
+    # Note: [A gathered weight is gone by backward]
+    # FSDP gathers a layer's weights for its forward and frees them after it (a trace counts
+    # that gathered rest as a storage of its own: `lms.analysis.fsdp.account`), and gathers
+    # them again only for the layer's own backward, which runs after the ops that read what a
+    # replay remakes. A replay of an op inside such a layer then read an emptied weight and
+    # failed, or ran, where FSDP's prefetch had gathered it in time: on a loaded machine a
+    # matter of timing. Such ops are not replayed; the plan offloads or keeps what they made.
+    gathered = [
+        (record.alloc_op, record.free_op)
+        for record in trace.storages
+        if record.kind == "param"
+        and record.alloc_op >= 0
+        and record.free_op is not None
+        and record.free_op < (trace.backward_start_op or 0)
+    ]
     writers: dict[int, list[int]] = {}
     for op in trace.ops:
         if op.phase == "forward":
@@ -270,6 +285,10 @@ def _find(trace: Trace) -> dict[int, Recipe]:
             if op.name not in RECOMPUTABLE_OPS:
                 return None
             for read in op.inputs:
+                if storages[read].kind == "param" and any(
+                    begin <= index <= end for begin, end in gathered
+                ):
+                    return None  # Note [A gathered weight is gone by backward]
                 if read == storage or storages[read].kind in ("param", "buffer"):
                     continue
                 if read in outer:

@@ -573,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "size (--start, --seq-len) to grow by"
                     )
                 args.step = args.start
-            if args.command in ("analyze", "train") and defaulted:
+            if defaulted:
                 args.image_size = entry.first_size_taken(args.image_size, args.batch_size)
             if args.batch_size is None:
                 args.batch_size = entry.default_batch(

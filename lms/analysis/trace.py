@@ -381,31 +381,21 @@ def _build(
     if isinstance(model, torch.nn.Module):
         _refuse_lazy(model)
         return model, True
-    try:
-        if _builds_real(model):  # said once, at its first trace
-            built, real = model(), True
-        else:
+    if _builds_real(model):  # said once, at its first trace
+        built, real = model(), True
+    else:
+        try:
             with fake_mode, torch.device(target), _fake_deepcopy():
                 built, real = model(), False
-    except (DataDependentOutputException, DynamicOutputShapeException) as error:
-        log.info(
-            "[LMS] the model's builder reads the value of a tensor (%s), which fake tensors "
-            "do not have; building it for real on the CPU",
-            error.func,
-        )
-        _remember_real(model)
-        built, real = model(), True
-    except RuntimeError as error:
-        if "UninitializedParameter" in str(error):  # a lazy module, which fake tensors cannot make
-            lazy = None
-            with contextlib.suppress(Exception), torch.device("meta"):  # named, at no cost
-                lazy = model()
-            if isinstance(lazy, torch.nn.Module):
-                _refuse_lazy(lazy)
-            raise
-        built, real = _built_for_real(model, error)
-    except Exception as error:  # the user's builder: fake tensors cannot run it
-        built, real = _built_for_real(model, error)
+        except Exception as error:  # the user's builder: fake tensors cannot run it
+            if "UninitializedParameter" in str(error):  # a lazy module: fake tensors cannot make
+                lazy = None
+                with contextlib.suppress(Exception), torch.device("meta"):  # named, at no cost
+                    lazy = model()
+                if isinstance(lazy, torch.nn.Module):
+                    _refuse_lazy(lazy)
+                raise
+            built, real = _built_for_real(model, error)
     if not isinstance(built, torch.nn.Module):
         raise TypeError(f"lms: the model builder returned {type(built).__name__}, not a module")
     return built, real
@@ -450,7 +440,9 @@ def _built_for_real(
     """``model`` built for real, where building it under fake tensors raised ``error``; the
     real build's own error, where it fails too, is the builder's."""
     built = model()
-    if str(error).startswith("_apply(): Couldn't swap"):
+    if isinstance(error, (DataDependentOutputException, DynamicOutputShapeException)):
+        why = f"reads the value of a tensor ({error.func}), which fake tensors do not have"
+    elif str(error).startswith("_apply(): Couldn't swap"):
         why = f"converts its parameters ({error}), which PyTorch cannot do to fake ones"
     else:
         why = f"fails under fake tensors ({type(error).__name__}: {error})"

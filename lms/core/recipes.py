@@ -284,11 +284,11 @@ def _find(trace: Trace) -> dict[int, Recipe]:
             op = trace.ops[index]
             if op.name not in RECOMPUTABLE_OPS:
                 return None
+            if any(begin <= index <= end for begin, end in gathered) and any(
+                storages[read].kind == "param" for read in op.inputs
+            ):
+                return None  # Note [A gathered weight is gone by backward]
             for read in op.inputs:
-                if storages[read].kind == "param" and any(
-                    begin <= index <= end for begin, end in gathered
-                ):
-                    return None  # Note [A gathered weight is gone by backward]
                 if read == storage or storages[read].kind in ("param", "buffer"):
                     continue
                 if read in outer:

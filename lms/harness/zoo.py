@@ -29,13 +29,15 @@ log = logging.getLogger("lms.harness.zoo")
 __all__ = ["BatchRejectedError", "ZooModel", "ZOO", "zoo_model", "on_meta", "TinyLM"]
 
 
-_TRY_ANOTHER = "; try another size or batch size"
-"""How a `BatchRejectedError` of the model's own ends."""
-
-
 class BatchRejectedError(ValueError):
     """The model itself rejects a batch of the asked size: its own error is in the message (a
-    ViT built for 224 px given 448, a U-Net given fewer voxels than it pools)."""
+    ViT built for 224 px given 448, a U-Net given fewer voxels than it pools), and in
+    ``reason``."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
+        """The model's own error, as ``"ValueError: ..."``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,13 +104,12 @@ class ZooModel:
                     self.make_batch(larger, batch_size or self.default_batch(larger))
                 except BatchRejectedError:
                     continue
-                why = str(rejected).split(": ", 2)[-1].removesuffix(_TRY_ANOTHER)
                 log.info(
                     "[LMS] %s rejects its default, %s (%s); taking %s, the first larger size "
                     "it takes (--image-size sets another)",
                     self.name,
                     self.sized(size),
-                    why,
+                    rejected.reason,
                     self.sized(larger),
                 )
                 return larger
@@ -687,9 +688,11 @@ def _imported(
                 others.clear()  # found: the batch keeps its channels from now on
                 return _targets(inputs_of(size, batch), shape)
             channels[0] = taken
+            reason = f"{type(error).__name__}: {error}"
             raise BatchRejectedError(
                 f"lms: model={name!r} fails on a batch of shape {list(inputs.shape)}: "
-                f"{type(error).__name__}: {error}{_TRY_ANOTHER}"
+                f"{reason}; try another size or batch size",
+                reason,
             ) from None
         return _targets(inputs, shape)
 

@@ -26,8 +26,9 @@ from lms.analysis.recorder import SKIPPED_OPS
 from lms.analysis.simulate import op_seconds, simulate
 from lms.core import costs
 from lms.core.devices import DeviceSpec, OpTimings
-from lms.core.steprecord import StepRecord, StepTimes
+from lms.core.steprecord import OpTime, StepRecord, StepTimes
 from lms.core.units import format_bytes
+from lms.report.timeparts import BETWEEN_OPS, OpKind, TimePart, op_kinds, time_parts
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -97,9 +98,10 @@ class Replay:
     measured_wait_s: float
     predicted_wait_s: float
     measured_idle_s: float
-    """Time in the step when no op ran and the step waited for no copy: on a card, the compute
-    stream stood idle because the host queued ops slower than the card ran them (the framework's,
-    the hooks' and a recorder's own time per op); on a CPU, that host time itself."""
+    """Time in the step when none of the model's ops nor a recomputation ran and the step waited
+    for no copy (the runtime's own ops left out: on a card they run on copy streams): on a card,
+    the compute stream stood idle because the host queued ops slower than the card ran them (the
+    framework's, the hooks' and a recorder's own time per op); on a CPU, that host time itself."""
     measured_peak_bytes: int
     """What the step started with (the trace's weights, buffers and batch) plus the most it
     added: on a card, to its allocation; on a CPU, to the C heap in use."""
@@ -113,6 +115,11 @@ class Replay:
     releases: tuple[Release, ...] = ()
     """The ops during which the allocator gave back cached memory (Note [The allocator gives
     memory back]); none on a CPU."""
+    parts: tuple[TimePart, ...] = ()
+    """The step's time in parts beside the plan's own prices for them (Note [A step's time in
+    parts])."""
+    op_kinds: tuple[OpKind, ...] = ()
+    """The kinds of op whose kernels took furthest from their prices, largest gap first."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready values."""
@@ -135,7 +142,8 @@ def replay(record: StepRecord, *, step: int | None = None) -> Replay:
         raise ValueError(f"lms: step {step} was not recorded; the record has steps {sorted(steps)}")
     times = steps[step]
     trace, plan, spec, half = record.trace, record.plan, record.spec, record.half
-    measured, matched = _op_times(record, times)
+    pairs = _matched(record, times)
+    measured, matched = _op_times(times, pairs, len(trace.ops)), len(pairs)
     replayed, clock = _replayed(record, measured)
     predicted = simulate(trace, plan, replayed, half=half)
     planned = simulate(trace, plan, spec, half=half)
@@ -150,6 +158,8 @@ def replay(record: StepRecord, *, step: int | None = None) -> Replay:
     copies = [(c.start_s, c.end_s) for c in times.copies]
     sim_copies = _simulated_copies(clock)
     sim_compute = [(clock.start[i], clock.done_at[i]) for i in range(len(trace.ops))]
+    write_log, overhead = _write_log(record)
+    parts = time_parts(times, planned, ops=len(trace.ops), overhead_s=overhead)
     return Replay(
         step=step,
         clock=times.clock,
@@ -168,17 +178,17 @@ def replay(record: StepRecord, *, step: int | None = None) -> Replay:
         predicted_overlap=_overlap(sim_copies, sim_compute),
         measured_wait_s=sum(w.end_s - w.start_s for w in times.waits),
         predicted_wait_s=predicted.wait_s,
-        measured_idle_s=max(
-            times.step_s
-            - _total(_merged([(op.start_s, op.end_s) for op in times.ops] + _waits(times))),
-            0.0,
-        ),
+        measured_idle_s=parts[BETWEEN_OPS].measured_s or 0.0,
         measured_peak_bytes=before + times.growth_bytes,
         predicted_peak_bytes=predicted_peak,
         matched_ops=matched,
         trace_ops=len(trace.ops),
         off_ops=_off_ops(record, measured, op_seconds(trace, spec, half), times.step_s),
         releases=_releases(times) if cuda else (),
+        parts=parts,
+        op_kinds=op_kinds(
+            trace, pairs, op_seconds(trace, spec, half, write_log=write_log), overhead_s=overhead
+        ),
     )
 
 
@@ -199,8 +209,7 @@ def _replayed(record: StepRecord, measured: list[float | None]) -> tuple[DeviceS
     """The spec the replay prices at (the recorded op times, copies beside compute: Note [A
     replay prices each op at its recorded time]) and the clock it runs the plan on."""
     trace, plan, spec, half = record.trace, record.plan, record.spec, record.half
-    write_log = plan is not None and bool(plan.recompute)
-    overhead = spec.op_overhead_s + (spec.write_log_op_s if write_log else 0.0)
+    write_log, overhead = _write_log(record)
     tuned = spec.op_timings  # its scratch measured where the tune timed its ops
     timings = OpTimings(
         trace.fingerprint(),
@@ -212,31 +221,43 @@ def _replayed(record: StepRecord, measured: list[float | None]) -> tuple[DeviceS
     return replayed, clock
 
 
-def _op_times(record: StepRecord, times: StepTimes) -> tuple[list[float | None], int]:
-    """Each trace op's recorded time (Note [A replay prices each op at its recorded time]),
-    None where no op of the step matched it; and how many matched.
+def _write_log(record: StepRecord) -> tuple[bool, float]:
+    """Whether the record's plan ran under the write log (it replays), and the host's time the
+    spec prices each op at beside its kernel, the write log's included."""
+    write_log = record.plan is not None and bool(record.plan.recompute)
+    spec = record.spec
+    return write_log, spec.op_overhead_s + (spec.write_log_op_s if write_log else 0.0)
 
-    The trace's ops are matched by name, in order (the longest common runs first), to the
-    model's ops the step ran. Autograd runs some of the model's views inside the runtime's
-    hooks; those stay unmatched, priced by the rates, and their time counts towards the next
-    matched op."""
-    waits = sorted(_waits(times))
-    replays = [(op.start_s, op.end_s) for op in times.ops if op.section == "replay"]
+
+def _matched(record: StepRecord, times: StepTimes) -> list[tuple[int, OpTime]]:
+    """The trace's ops matched by name, in order (the longest common runs first), to the
+    model's ops the step ran: each trace op's index and its recorded op. Autograd runs some of
+    the model's views inside the runtime's hooks; those stay unmatched."""
     ran = [op for op in times.ops if op.section == "step" and op.name not in SKIPPED_OPS]
     names = [op.name for op in record.trace.ops]
     matcher = difflib.SequenceMatcher(None, names, [op.name for op in ran], autojunk=False)
-    pairs = [
+    return [
         (block.a + k, ran[block.b + k])
         for block in matcher.get_matching_blocks()
         for k in range(block.size)
     ]
-    measured: list[float | None] = [None] * len(names)
+
+
+def _op_times(
+    times: StepTimes, pairs: Sequence[tuple[int, OpTime]], ops: int
+) -> list[float | None]:
+    """Each of the trace's ``ops``' recorded time (Note [A replay prices each op at its
+    recorded time]), from the ``pairs`` `_matched` found; None where no op of the step matched
+    it, which the rates price, its time counting towards the next matched op."""
+    waits = sorted(_waits(times))
+    replays = [(op.start_s, op.end_s) for op in times.ops if op.section == "replay"]
+    measured: list[float | None] = [None] * ops
     previous = 0.0
     for index, op in pairs:
         between = _within(waits, previous, op.start_s) + _within(replays, previous, op.start_s)
         measured[index] = max(op.end_s - previous - between, op.end_s - op.start_s)
         previous = op.end_s
-    return measured, len(pairs)
+    return measured
 
 
 def _within(spans: Sequence[tuple[float, float]], begin: float, end: float) -> float:
@@ -334,6 +355,7 @@ def format_replay(result: Replay) -> str:
         if result.floor_s > 0
         else "",
     ]
+    lines += _format_parts(result)
     if result.releases:
         lines.append(
             f"[LMS] The allocator gave back cached memory {len(result.releases)} times "
@@ -355,13 +377,42 @@ def format_replay(result: Replay) -> str:
     return "\n".join(line for line in lines if line)
 
 
+def _format_parts(result: Replay) -> list[str]:
+    """The step's time in parts beside the plan's own prices, then the kinds of op furthest
+    from theirs (Note [A step's time in parts])."""
+    if not result.parts:
+        return []
+    lines = [
+        "[LMS] Where the step's time went, beside the plan's own prices:",
+        f"  {'':<22} {'measured':>12} {'planned':>12} {'off (s)':>9}",
+    ]
+    for part in result.parts:
+        measured = "-" if part.measured_s is None else f"{part.measured_s:.4f}"
+        off = "" if part.measured_s is None else f"{part.measured_s - part.planned_s:+9.4f}"
+        name = f"{part.part} (s)"
+        lines.append(f"  {name:<22} {measured:>12} {part.planned_s:>12.4f} {off:>9}".rstrip())
+    lines.append(
+        f"  {'step (s)':<22} {result.measured_step_s:>12.4f} {result.planned_step_s:>12.4f} "
+        f"{result.measured_step_s - result.planned_step_s:+9.4f}"
+    )
+    if result.op_kinds:
+        lines.append("[LMS] Kinds of op whose kernels took furthest from their prices:")
+        for kind in result.op_kinds:
+            phase = "backward" if kind.backward else "forward"
+            lines.append(
+                f"  {kind.name:<48} {phase:<8} {kind.ops:>5} ops: took {kind.measured_s:.4f} s, "
+                f"priced {kind.planned_s:.4f} s ({kind.measured_s - kind.planned_s:+.4f} s)"
+            )
+    return lines
+
+
 def plot_replay(path: str | os.PathLike[str], record: StepRecord, result: Replay) -> Figure:
     """Write a PNG of the step's timeline as measured (top) and as replayed (bottom): ops,
     copies out and in, waits; the figure too (no pyplot state, no backend set)."""
     from matplotlib.figure import Figure
 
     times = next(s for s in record.steps if s.number == result.step)
-    _, clock = _replayed(record, _op_times(record, times)[0])
+    _, clock = _replayed(record, _op_times(times, _matched(record, times), len(record.trace.ops)))
     spans = clock.copy_spans()
     figure = Figure(figsize=(11, 4.5))
     top, bottom = figure.subplots(2, 1, sharex=True)

@@ -538,6 +538,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.command != "analyze" or parse_share(memory, field="--gpu-memory") is None
         ):
             parse_bytes(memory, field="--gpu-memory", positive=True)
+        # sizes checked before the model is looked at (train takes a share, bench a size)
+        budget = getattr(args, "budget", None)
+        if budget is not None and (
+            args.command != "train" or parse_share(budget, field="--budget") is None
+        ):
+            parse_bytes(budget, field="--budget", positive=True)
+        if getattr(args, "host_budget", None) is not None:
+            parse_bytes(args.host_budget, field="--host-budget", positive=True)
         if getattr(args, "model", None) is not None:
             from lms.harness.zoo import zoo_model
 

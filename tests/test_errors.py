@@ -169,3 +169,33 @@ def test_tracing_for_cuda_without_a_cuda_device_is_refused_before_the_step(monke
             lambda: built.append(1) or torch.nn.Linear(4, 4), [torch.ones(2, 4)], device="cuda"
         )
     assert built == []
+
+
+@pytest.mark.parametrize("field", ["budget", "host_budget", "spill_reserve"])
+def test_a_size_given_as_a_bare_number_in_a_string_is_refused_with_its_units(field):
+    with pytest.raises(ValueError, match=rf"lms: {field}='60' has no unit; .*'60GiB'"):
+        lms.LMS(**{field: "60"})
+    assert lms.LMS(**{field: 60}).config is not None  # an int is bytes
+    assert lms.parse_bytes("60B") == lms.parse_bytes(60) == 60
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--model", "resnet50", "--budget", "60"],
+        ["train", "--model", "resnet50", "--host-budget", "100"],
+        ["bench", "--model", "resnet50", "--sizes", "64", "--budget", "8"],
+        ["analyze", "--model", "resnet50", "--gpu-memory", "32"],
+    ],
+)
+def test_a_size_without_its_unit_on_the_command_line_is_refused_before_any_work(
+    argv, monkeypatch, capsys
+):
+    import lms.harness.zoo as zoo
+
+    looked = []
+    monkeypatch.setattr(zoo, "zoo_model", lambda *a, **k: looked.append(a))
+    assert main(argv) == 2 and not looked
+    err = capsys.readouterr().err
+    assert "has no unit" in err and "GiB" in err
+    assert ("share of the step's peak" in err) == (argv[-2] == "--budget")

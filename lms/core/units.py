@@ -17,7 +17,6 @@ __all__ = [
 ]
 
 _UNITS = {
-    "": 1,
     "b": 1,
     "k": 1000,
     "kb": 1000,
@@ -57,7 +56,9 @@ def parse_share(value: object, *, field: str = "budget") -> float | None:
 
 
 def parse_bytes(value: int | float | str, *, field: str = "size", positive: bool = False) -> int:
-    """Return a byte count from an int, a float or a string such as ``"10GiB"``.
+    """Return a byte count from an int, a float or a string such as ``"10GiB"``: a string
+    carries its unit (``"1024B"`` for bytes), since a bare number typed for a budget
+    (``--budget 60``) means gigabytes or a percent far more often than bytes.
 
     Raises:
         ValueError: naming ``field`` when the value is negative, 0 where ``positive``, or not a
@@ -72,9 +73,18 @@ def parse_bytes(value: int | float | str, *, field: str = "size", positive: bool
     elif isinstance(value, str):
         match = _PATTERN.match(value)
         unit = match.group(2).lower() if match else None
+        if match is not None and not unit:  # "60" typed for a budget: never 60 bytes meant
+            number_typed = match.group(1)
+            takes_share = field.lstrip("-") == "budget"
+            share = " or a share of the step's peak ('60%')" if takes_share else ""
+            raise ValueError(
+                f"lms: {field}={value!r} has no unit; give a size with its unit "
+                f"('{number_typed}GiB', '{number_typed}MiB', '{number_typed}B'){share}, or an "
+                "int of bytes"
+            )
         if match is None or unit not in _UNITS:
             raise ValueError(
-                f"lms: {field}={value!r} is not a size; use a number of bytes or a string like "
+                f"lms: {field}={value!r} is not a size; use an int of bytes or a string like "
                 "'10GiB', '512MiB' or '32GB'"
             )
         number = float(match.group(1)) * _UNITS[unit]

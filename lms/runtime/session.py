@@ -617,6 +617,7 @@ class Session:
         step.largest_bytes = max(step.largest_bytes, entry.nbytes)
         if step.baseline_bytes is None:
             step.baseline_bytes = self._baseline(step, device)
+            step.first_call = None  # its arguments let go of
             budgeted = self.config.budget_bytes is not None or self.plan is not None
             if device.type == "cpu" and budgeted and not self._resident_said:
                 self._hold_resident()
@@ -657,9 +658,8 @@ class Session:
         budget on the CPU starts from])."""
         self._keep.note_module(module, args)
         step = self._step
-        if step is not None and step.first_call is None:
-            tensors = [*module.parameters(), *module.buffers(), *args]
-            step.first_call = distinct_storages(tensors, device_type="cpu")
+        if step is not None and step.first_call is None and step.baseline_bytes is None:
+            step.first_call = (module, args)  # its storages counted only where a CPU save asks
 
     def _baseline(self, step: Step, device: torch.device) -> int:
         """What the budget holds before ``step``'s first save on ``device``.
@@ -682,7 +682,12 @@ class Session:
             return torch.cuda.memory_allocated(device)
         if device.type != "cpu":
             return 0
-        return sum({**self._keep.host_weights, **(step.first_call or {})}.values())
+        first: dict[tuple[torch.device, int], int] = {}
+        if step.first_call is not None:
+            module, args = step.first_call
+            tensors = [*module.parameters(), *module.buffers(), *args]
+            first = distinct_storages(tensors, device_type="cpu")
+        return sum({**self._keep.host_weights, **first}.values())
 
     def _hold_resident(self) -> None:
         """Once, at the first save on the CPU of a step with a budget or a plan: make the budget

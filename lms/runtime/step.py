@@ -208,8 +208,11 @@ class Step:
         self.entered: tuple[int, int, int] | None = None
         """On a card, as the step began: the current device's index, what it had allocated and
         its allocator's retries so far (`lms.runtime._cuda.allocator_now`)."""
-        # host storages of the first module call (`distinct_storages`)
-        self.first_call: dict[tuple[torch.device, int], int] | None = None
+        self.first_call: tuple[torch.nn.Module, tuple[Any, ...]] | None = None
+        """The first module the step called and its arguments, until the first save: on a CPU,
+        their host storages are what the budget starts from (Note [What a budget on the CPU
+        starts from]); read then alone, since a step on a card, or one that follows its plan
+        light, never asks."""
         self.junction_edges: dict[junctions.Edge, int] = {}
         self.saved_nodes: list[Any] = []  # grad_fn of each saved tensor, while junctions wait
         self.walked = False

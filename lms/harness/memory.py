@@ -91,3 +91,21 @@ class SampledSteps:
     def steady_times(self, times: list[float]) -> list[float]:
         """`steady_times` of this run's steps."""
         return steady_times(times, self.indices)
+
+    def timing_caveat(self, steps: int) -> str:
+        """What the run's timed steps carry beside the step itself, said beside a prediction
+        they are set against: the first step's warm-up where it is the one timed, the
+        sampler's cost where it ran in the timed steps (Note [Steps timed without the
+        sampler]); empty where neither."""
+        timed = {int(i) for i in steady_times([float(i) for i in range(steps)], self.indices)}
+        if 0 in timed:
+            return (
+                "measured on the first step, which warms up too "
+                "(--steps 3 or more times later ones)"
+            )
+        if timed & self.indices:
+            return (
+                "measured with the memory sampler running, which slows a CPU step "
+                "(--steps 3 or more times steps without it)"
+            )
+        return ""

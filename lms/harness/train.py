@@ -283,7 +283,7 @@ def train(
         offload.close()
     if kept is not None:
         kept.remove()
-    _log_result(result, memory, entry)
+    _log_result(result, memory, entry, caveat=run.timing_caveat(steps))
     return result
 
 
@@ -436,7 +436,7 @@ def _run_steps(
     return loss, times, peaks
 
 
-def _log_result(result: TrainResult, memory: Any, entry: ZooModel) -> None:
+def _log_result(result: TrainResult, memory: Any, entry: ZooModel, *, caveat: str = "") -> None:
     """The run's `[LMS]` line: its step time, rate and peak, and on a CPU where the peak came
     from (weights and batch, then the heap's or the resident set's growth)."""
     start_bytes = result.start_bytes
@@ -465,13 +465,14 @@ def _log_result(result: TrainResult, memory: Any, entry: ZooModel) -> None:
         log.info(
             "[LMS] The plan predicted %.4f s a step (%+.1f%% over a no-offload step of %.4f s "
             "at the op times and rates it was priced on; floor %.4f s, the larger of that and "
-            "the link's time for the bytes it moves); measured %.4f s, %.2fx the floor",
+            "the link's time for the bytes it moves); measured %.4f s, %.2fx the floor%s",
             plan["predicted_step_s"],
             100 * plan["predicted_overhead"],
             plan["base_step_s"],
             plan["floor_s"],
             result.step_s,
             result.step_s / plan["floor_s"] if plan["floor_s"] else float("nan"),
+            f" ({caveat})" if caveat else "",
         )
 
 

@@ -11,7 +11,13 @@ import textwrap
 
 import pytest
 
-from lms.harness.memory import PeakMemory, heap_in_use_bytes, sampled_steps, steady_times
+from lms.harness.memory import (
+    PeakMemory,
+    SampledSteps,
+    heap_in_use_bytes,
+    sampled_steps,
+    steady_times,
+)
 
 pytestmark = pytest.mark.serial  # measured alone (pyproject.toml's markers)
 
@@ -85,6 +91,17 @@ def test_steps_are_timed_apart_from_the_ones_whose_memory_is_sampled(steps, cuda
     chosen = sampled_steps(steps, cuda)
     assert chosen == sampled
     assert steady_times([float(i + 1) for i in range(steps)], chosen) == timed
+
+
+@pytest.mark.parametrize(
+    ("steps", "cuda", "said"),
+    [(1, False, "first step"), (2, False, "sampler"), (3, False, ""), (1, True, "first step")]
+    + [(2, True, ""), (5, False, "")],
+)
+def test_a_run_says_what_its_timed_steps_carry_beside_the_step(steps, cuda, said):
+    """Set against a prediction, a time from the first step or from a sampled one says so."""
+    caveat = SampledSteps(steps, cuda).timing_caveat(steps)
+    assert (said in caveat) if said else caveat == ""
 
 
 def test_a_cpu_run_samples_one_step_of_three_and_times_the_last(monkeypatch):

@@ -11,8 +11,11 @@ its step exactly. So a record's step, cut the same way, says which part the plan
 kernels slower than timed alone, replays, waits, or the host's time between ops, which no
 kernel timing sees. The measured parts come from the compute clock alone: the runtime's own
 ops on a card run on copy streams beside it, and on a CPU they are the host's time between the
-model's ops. By kind, the model's ops matched to the trace set each kernel's time beside its
-price, largest gaps first.
+model's ops. On a CPU the time between ops also holds the frees of storages that have pages of
+their own (`DeviceSpec.page_mapped_bytes`), which glibc unmaps when the step lets go of them;
+an op timed alone frees its output inside its timed call, so there the plan prices that free in
+the op's kernel (benchmarks/results/README.md, "Frees between ops on a CPU"). By kind, the
+model's ops matched to the trace set each kernel's time beside its price, largest gaps first.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ ViT, tiny configs (hidden 256, three layers; sequence 512, or 224 px); then BART
 Mamba, ModernBERT, Qwen3, ELECTRA, Swin and SegFormer, tinier (hidden 128, two layers; sequence
 256 or 512, 224 or 256 px, Whisper's 3000 frames of 80 mel bins); then twelve more families as
 tiny (`_further_cases`: wav2vec 2.0 with its time masks, DeBERTa-v2, Longformer, ALBERT, BLOOM,
-GPT-J, OPT, Gemma, XLNet, Funnel, DINOv2, ConvNeXt); random weights, on the CPU's disk tier.
+GPT-J, OPT, Gemma, XLNet, Funnel, DINOv2, ConvNeXt); then two mixtures of experts (`_moe_cases`:
+Mixtral, Qwen2-MoE); random weights, on the CPU's disk tier.
 Each is tuned (`LMS.tune`) at a budget 30% of the way from the least any plan needs to its
 peak without offload and runs three steps against three plain ones, PyTorch's deterministic
 algorithms on, each step after seeding PyTorch's, Python's and numpy's generators alike; it
@@ -60,12 +61,16 @@ from transformers import (
     MambaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     ModernBertConfig,
     ModernBertForMaskedLM,
     OPTConfig,
     OPTForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
     SegformerConfig,
@@ -271,8 +276,25 @@ def _further_cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., An
     }
 
 
+def _moe_cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | None]]:
+    """Mixtures of experts, each token routed to two of four experts by its router's top-k: the
+    experts each run on the tokens routed to them, indices that depend on the data."""
+    ids = torch.randint(0, 500, (2, 256))
+    tokens = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    experts = {"num_key_value_heads": 2, "num_experts_per_tok": 2}
+    mixtral = MixtralConfig(**SMALL_LM, **experts, num_local_experts=4)
+    qwen2_moe = Qwen2MoeConfig(
+        **SMALL_LM, **experts, num_experts=4, moe_intermediate_size=128,
+        shared_expert_intermediate_size=256,
+    )  # fmt: skip
+    return {
+        "mixtral": (lambda: MixtralForCausalLM(mixtral), tokens, None),
+        "qwen2_moe": (lambda: Qwen2MoeForCausalLM(qwen2_moe), tokens, None),
+    }
+
+
 def _all_cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | None]]:
-    return _cases() | _more_cases() | _further_cases()
+    return _cases() | _more_cases() | _further_cases() | _moe_cases()
 
 
 def _seed(seed: int) -> None:

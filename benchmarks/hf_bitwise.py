@@ -4,7 +4,8 @@ Mamba, ModernBERT, Qwen3, ELECTRA, Swin and SegFormer, tinier (hidden 128, two l
 256 or 512, 224 or 256 px, Whisper's 3000 frames of 80 mel bins); then twelve more families as
 tiny (`_further_cases`: wav2vec 2.0 with its time masks, DeBERTa-v2, Longformer, ALBERT, BLOOM,
 GPT-J, OPT, Gemma, XLNet, Funnel, DINOv2, ConvNeXt); then two mixtures of experts (`_moe_cases`:
-Mixtral, Qwen2-MoE); random weights, on the CPU's disk tier.
+Mixtral, Qwen2-MoE) and eight later decoders (`_decoder_cases`: Gemma 2, Phi-3, StableLM,
+StarCoder2, GPT-BigCode, OLMo, Cohere, Falcon); random weights, on the CPU's disk tier.
 Each is tuned (`LMS.tune`) at a budget 30% of the way from the least any plan needs to its
 peak without offload and runs three steps against three plain ones, PyTorch's deterministic
 algorithms on, each step after seeding PyTorch's, Python's and numpy's generators alike; it
@@ -12,7 +13,11 @@ passes when every loss and gradient holds the same bits. The language models tak
 tokenizer gives it (an attention mask of ones, and labels) through the default step; each run
 also counts the steps that left their plan (``diverged_steps``).
 
-    .venv/bin/python benchmarks/hf_bitwise.py [--json benchmarks/results/hf_bitwise_cpu.json]
+With ``--plans recompute`` each follows a plan that recomputes every storage it can (where
+neither its inputs nor what reads it are recomputed) and offloads the rest, in place of a
+tuned one.
+
+    .venv/bin/python benchmarks/hf_bitwise.py [--models a,b] [--plans recompute] [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from transformers import (
     BloomForCausalLM,
     CLIPConfig,
     CLIPModel,
+    CohereConfig,
+    CohereForCausalLM,
     ConvNextConfig,
     ConvNextForImageClassification,
     DebertaV2Config,
@@ -47,10 +54,16 @@ from transformers import (
     Dinov2ForImageClassification,
     ElectraConfig,
     ElectraForMaskedLM,
+    FalconConfig,
+    FalconForCausalLM,
     FunnelConfig,
     FunnelForMaskedLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GemmaConfig,
     GemmaForCausalLM,
+    GPTBigCodeConfig,
+    GPTBigCodeForCausalLM,
     GPTJConfig,
     GPTJForCausalLM,
     GPTNeoXConfig,
@@ -65,8 +78,12 @@ from transformers import (
     MixtralForCausalLM,
     ModernBertConfig,
     ModernBertForMaskedLM,
+    OlmoConfig,
+    OlmoForCausalLM,
     OPTConfig,
     OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
@@ -75,6 +92,10 @@ from transformers import (
     Qwen3ForCausalLM,
     SegformerConfig,
     SegformerForSemanticSegmentation,
+    StableLmConfig,
+    StableLmForCausalLM,
+    Starcoder2Config,
+    Starcoder2ForCausalLM,
     SwinConfig,
     SwinForImageClassification,
     T5Config,
@@ -90,9 +111,11 @@ from transformers import (
 )
 
 import lms
-from lms.analysis import simulate, trace_step
+from lms.analysis import device_spec, simulate, trace_step
 from lms.analysis.trace import default_step
+from lms.core.recipes import recipes
 from lms.orchestration.local import local_device_spec
+from lms.planning.candidates import Candidates
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 3}
 LM = {**SHAPE, "vocab_size": 500, "num_attention_heads": 4}
@@ -293,8 +316,34 @@ def _moe_cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] |
     }
 
 
+def _decoder_cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | None]]:
+    """Decoders of later families, as tiny as `_more_cases`: soft-capped logits and alternating
+    sliding windows (Gemma 2), fused projections (Phi-3), partial rotary embeddings (StableLM),
+    biases and sliding windows (StarCoder2), multi-query attention (GPT-BigCode), norms without
+    weights (OLMo), parallel attention and feed-forward with a logit scale (Cohere), and
+    Falcon's."""
+    ids = torch.randint(0, 500, (2, 256))
+    tokens = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    grouped = {**SMALL_LM, "num_key_value_heads": 2}
+    gemma2 = Gemma2Config(**grouped, head_dim=32, sliding_window=64)
+    bigcode = GPTBigCodeConfig(n_embd=128, n_layer=2, n_head=4, vocab_size=500, multi_query=True)
+    falcon = FalconConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=500
+    )
+    return {
+        "gemma2": (lambda: Gemma2ForCausalLM(gemma2), tokens, None),
+        "phi3": (lambda: Phi3ForCausalLM(Phi3Config(**grouped, pad_token_id=0)), tokens, None),
+        "stablelm": (lambda: StableLmForCausalLM(StableLmConfig(**grouped)), tokens, None),
+        "starcoder2": (lambda: Starcoder2ForCausalLM(Starcoder2Config(**grouped)), tokens, None),
+        "gpt_bigcode": (lambda: GPTBigCodeForCausalLM(bigcode), tokens, None),
+        "olmo": (lambda: OlmoForCausalLM(OlmoConfig(**SMALL_LM, pad_token_id=0)), tokens, None),
+        "cohere": (lambda: CohereForCausalLM(CohereConfig(**grouped)), tokens, None),
+        "falcon": (lambda: FalconForCausalLM(falcon), tokens, None),
+    }
+
+
 def _all_cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | None]]:
-    return _cases() | _more_cases() | _further_cases() | _moe_cases()
+    return _cases() | _more_cases() | _further_cases() | _moe_cases() | _decoder_cases()
 
 
 def _seed(seed: int) -> None:
@@ -342,22 +391,39 @@ def _cases() -> dict[str, tuple[Callable[[], Any], Any, Callable[..., Any] | Non
     }
 
 
-def check(name: str, spill_dir: str) -> dict[str, Any]:
-    """Tune ``name`` between its floor and its peak; three steps against plain ones."""
+def _recompute_plan(trace: lms.Trace) -> lms.Plan:
+    """Every storage with a recipe recomputed where neither its inputs nor what reads it are,
+    the rest offloaded: replays of each kind the model's ops allow, whatever a budget picks."""
+    found = recipes(trace)
+    chosen: set[int] = set()
+    for ordinal, recipe in sorted(found.items()):
+        if not set(recipe.inputs) & chosen and not any(ordinal in found[c].inputs for c in chosen):
+            chosen.add(ordinal)
+    candidates = Candidates(trace, device_spec("cpu"), budget_bytes=2**40)
+    return candidates.plan(range(candidates.num_entries), source="check", recompute=chosen)
+
+
+def check(name: str, spill_dir: str, *, plans: str = "tuned") -> dict[str, Any]:
+    """Tune ``name`` between its floor and its peak (``plans`` "recompute": follow
+    `_recompute_plan` instead); three steps against plain ones."""
     build, batch, given = _all_cases()[name]
     step = given or default_step
     torch.manual_seed(0)
     model = build()
     plain, moved = copy.deepcopy(model), copy.deepcopy(model)
     trace = trace_step(copy.deepcopy(model), batch, step, device="cpu")
-    peak = simulate(trace, None, local_device_spec(torch.device("cpu"))).peak_bytes
-    try:
-        lms.LMS(budget=1).tune(copy.deepcopy(model), batch, step)
-        floor = peak
-    except lms.PlanInfeasibleError as error:
-        floor = error.min_budget_bytes
-    offload = lms.LMS(budget=int(floor + 0.3 * (peak - floor)), tier="disk", spill_dir=spill_dir)
-    offload.tune(moved, batch, given)
+    if plans == "recompute":
+        offload = lms.LMS(plan=_recompute_plan(trace), tier="disk", spill_dir=spill_dir)
+    else:
+        peak = simulate(trace, None, local_device_spec(torch.device("cpu"))).peak_bytes
+        try:
+            lms.LMS(budget=1).tune(copy.deepcopy(model), batch, step)
+            floor = peak
+        except lms.PlanInfeasibleError as error:
+            floor = error.min_budget_bytes
+        budget = int(floor + 0.3 * (peak - floor))
+        offload = lms.LMS(budget=budget, tier="disk", spill_dir=spill_dir)
+        offload.tune(moved, batch, given)
     bitwise = True
     for seed in range(3):
         plain.zero_grad(set_to_none=True)
@@ -375,6 +441,7 @@ def check(name: str, spill_dir: str) -> dict[str, Any]:
     offload.close()
     return {
         "model": name,
+        "plans": plans,
         "bitwise": bitwise and stats.replays_differed == 0,
         "offloaded_per_step": stats.offloaded_tensors // 3,
         "recomputed_per_step": stats.recomputed_tensors // 3,
@@ -386,6 +453,7 @@ def check(name: str, spill_dir: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(_all_cases()))
+    parser.add_argument("--plans", choices=("tuned", "recompute"), default="tuned")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -393,7 +461,7 @@ def main() -> None:
     results = []
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory() as spill_dir:
-            results.append(check(name, spill_dir))
+            results.append(check(name, spill_dir, plans=args.plans))
         print(json.dumps(results[-1]), flush=True)
     if args.json:
         with open(args.json, "w") as out:

@@ -1,6 +1,7 @@
 """Hugging Face language models train bit for bit under LMS: with everything offloaded, and with
 a plan that recomputes what it can; SDPA and eager attention, grouped-query attention, rotary
-embeddings, tied embeddings and dropout; fp32 and bfloat16 autocast. Tiny configs, on the CPU."""
+embeddings, tied embeddings, dropout and a mixture of experts; fp32 and bfloat16 autocast. Tiny
+configs, on the CPU."""
 
 import contextlib
 
@@ -32,6 +33,19 @@ CONFIGS = {
     # SDPA in its math path (a softmax over scores summed with a causal mask made in forward),
     # the tanh-approximated GELU: replays that make the mask and the tanh's input again
     "gpt2-sdpa": dict(n_embd=64, n_layer=2, n_head=4, attn_implementation="sdpa"),
+    # a mixture of experts: each token routed to two of four experts by its router's top-k,
+    # each expert run on the tokens routed to it (indices the data decides)
+    "mixtral": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    ),
 }
 
 
@@ -64,7 +78,7 @@ def _run(model, ids, half, offload=None):
 
 @pytest.mark.parametrize("plan", ["everything-offloaded", "recompute"])
 @pytest.mark.parametrize("half", [False, True], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt2-sdpa"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "gpt2-sdpa", "mixtral"])
 def test_hugging_face_models_train_bitwise(kind, half, plan, spill_dir):
     model = _model(kind)
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # tied

@@ -395,6 +395,11 @@ def _format_parts(result: Replay) -> list[str]:
         f"  {'step (s)':<22} {result.measured_step_s:>12.4f} {result.planned_step_s:>12.4f} "
         f"{result.measured_step_s - result.planned_step_s:+9.4f}"
     )
+    if result.clock == "wall":
+        lines.append(
+            "  on a CPU, between ops holds the frees of storages with pages of their own, which "
+            "the plan prices in the ops that made them"
+        )
     if result.op_kinds:
         lines.append("[LMS] Kinds of op whose kernels took furthest from their prices:")
         for kind in result.op_kinds:

@@ -285,6 +285,9 @@ def test_a_replay_says_which_part_of_a_cards_step_its_plan_got_wrong(capsys):
     assert first.measured_s - first.planned_s > 0.04
     text = format_replay(resnet)
     assert "Where the step's time went" in text and "between ops (s)" in text
+    assert "frees of storages" not in text  # a card's caching allocator keeps them
+    cpu = format_replay(replay(load_record(RESULTS / "records-cpu" / "unet3d_64_lms.json.gz")))
+    assert "frees of storages with pages of their own" in cpu
     assert main(["replay", str(folder / "resnet50_8000_lms.json.gz")]) == 0
     out = capsys.readouterr().out
     assert "aten.convolution_backward.default" in out and "backward" in out

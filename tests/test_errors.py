@@ -199,3 +199,30 @@ def test_a_size_without_its_unit_on_the_command_line_is_refused_before_any_work(
     err = capsys.readouterr().err
     assert "has no unit" in err and "GiB" in err
     assert ("share of the step's peak" in err) == (argv[-2] == "--budget")
+
+
+def test_a_builder_that_needs_arguments_is_refused_naming_them_before_it_is_called(
+    tmp_path, monkeypatch, capsys
+):
+    (tmp_path / "needy.py").write_text(
+        "import torch\n"
+        "CALLED = []\n"
+        "class Net(torch.nn.Module):\n"
+        "    def __init__(self, channels, classes, *, depth, width=8):\n"
+        "        CALLED.append(1)\n"
+        "        super().__init__()\n"
+        "def plain(width=8):\n"
+        "    return torch.nn.Conv2d(3, width, 3)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["analyze", "--model", "needy:Net", "--image-size", "32"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "needs arguments to build (channels, classes, depth)" in err
+    assert "def model(): return Net(channels=..., classes=..., depth=...)" in err
+    import needy
+
+    assert needy.CALLED == []  # refused before it ran
+    from lms.harness.zoo import zoo_model
+
+    assert zoo_model("needy:plain").unit == "pixels"  # defaults for all: built as it is

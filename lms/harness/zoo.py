@@ -400,7 +400,33 @@ def zoo_model(name: str) -> ZooModel:
         raise ValueError(f"lms: model={name!r} cannot be imported: {error}") from None
     if not callable(build):
         raise ValueError(f"lms: model={name!r} is not callable")
+    needed = _required_arguments(build)
+    if needed:
+        given = ", ".join(f"{argument}=..." for argument in needed)
+        raise ValueError(
+            f"lms: model={name!r} needs arguments to build ({', '.join(needed)}), and a builder "
+            "is called with none: write one that gives them, in a module of yours "
+            f"(mymodels.py: def model(): return {attribute}({given})) and pass --model "
+            "mymodels:model from its folder"
+        )
     return _imported(name, build)
+
+
+def _required_arguments(build: Callable[..., object]) -> list[str]:
+    """The parameters ``build`` cannot be called without (a class's, for its constructor);
+    none where its signature cannot be read."""
+    try:
+        signature = inspect.signature(build)
+    except (TypeError, ValueError):  # a builtin without one
+        return []
+    empty = inspect.Parameter.empty
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [
+        parameter.name
+        for parameter in signature.parameters.values()
+        if parameter.default is empty
+        and (parameter.kind in kinds or parameter.kind is inspect.Parameter.KEYWORD_ONLY)
+    ]
 
 
 def _torchvision_models() -> list[str]:

@@ -419,13 +419,11 @@ def _required_arguments(build: Callable[..., object]) -> list[str]:
         signature = inspect.signature(build)
     except (TypeError, ValueError):  # a builtin without one
         return []
-    empty = inspect.Parameter.empty
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    gathered = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     return [
         parameter.name
         for parameter in signature.parameters.values()
-        if parameter.default is empty
-        and (parameter.kind in kinds or parameter.kind is inspect.Parameter.KEYWORD_ONLY)
+        if parameter.default is inspect.Parameter.empty and parameter.kind not in gathered
     ]
 
 

@@ -28,7 +28,14 @@ from lms.core import costs
 from lms.core.devices import DeviceSpec, OpTimings
 from lms.core.steprecord import OpTime, StepRecord, StepTimes
 from lms.core.units import format_bytes
-from lms.report.timeparts import BETWEEN_OPS, OpKind, TimePart, op_kinds, time_parts
+from lms.report.timeparts import (
+    BETWEEN_OPS,
+    OpKind,
+    TimePart,
+    merged_spans,
+    op_kinds,
+    time_parts,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -275,19 +282,8 @@ def _overlap(
     total = _total(copies)
     if total <= 0:
         return 0.0
-    spans = _merged(compute)
+    spans = merged_spans(compute)
     return sum(_within(spans, a, b) for a, b in copies) / total
-
-
-def _merged(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-    """``spans`` with those that overlap joined, in order."""
-    merged: list[list[float]] = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
 
 
 def _waits(times: StepTimes) -> list[tuple[float, float]]:

@@ -21,13 +21,21 @@ model's ops matched to the trace set each kernel's time beside its price, larges
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from lms.analysis.simulate import SimResult
 from lms.core.records import Trace
 from lms.core.steprecord import OpTime, StepTimes
 
-__all__ = ["BETWEEN_OPS", "KINDS_SHOWN", "OpKind", "TimePart", "op_kinds", "time_parts"]
+__all__ = [
+    "BETWEEN_OPS",
+    "KINDS_SHOWN",
+    "OpKind",
+    "TimePart",
+    "merged_spans",
+    "op_kinds",
+    "time_parts",
+]
 
 KINDS_SHOWN = 6
 """How many kinds of op `op_kinds` returns, largest gaps first."""
@@ -60,15 +68,20 @@ class OpKind:
     planned_s: float
 
 
-def _span(spans: Sequence[tuple[float, float]]) -> float:
+def merged_spans(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``spans`` with those that overlap joined, in order."""
+    merged: list[list[float]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _span(spans: Iterable[tuple[float, float]]) -> float:
     """Seconds covered by ``spans``, overlaps counted once."""
-    covered, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        if end <= reach:
-            continue
-        covered += end - max(start, reach)
-        reach = end
-    return covered
+    return sum(b - a for a, b in merged_spans(spans))
 
 
 def time_parts(

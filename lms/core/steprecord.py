@@ -46,7 +46,9 @@ class OpTime:
     start_s: float
     end_s: float
     allocated_bytes: int
-    """Device memory allocated when the op ended; on a CPU, the C heap in use."""
+    """Device memory allocated when the op ended; on a CPU, the C heap in use when the step
+    began plus the storages the step's ops made and still held (Note [Memory in use at each op
+    on a CPU])."""
     reserved_bytes: int
     """Device memory the caching allocator held then; 0 on a CPU."""
 
@@ -94,6 +96,12 @@ class StepTimes:
     waits: tuple[WaitTime, ...]
     stats: dict[str, float]
     """The runtime's counters for this step alone (`lms.LMSStats`)."""
+    recorder_s: float = 0.0
+    """Host seconds the recorder itself spent in the step's ops' dispatch (its marks and reads
+    of memory in use), part of the time between ops; 0 in records written before it was kept."""
+    recorder_reads_s: float = 0.0
+    """Of ``recorder_s``, the reads of memory in use (the allocator's statistics on a card, the
+    recorder's count of the storages made on a CPU)."""
 
     @property
     def growth_bytes(self) -> int:

@@ -276,9 +276,19 @@ def train(
         meta = {"model": model_name, "size": size, "batch_size": len(batch[0]), "method": method}
         if plain is not None:
             plain.save(record, meta)
-        elif offload is not None:
+            last = plain.log.steps[-1]
+        else:
+            assert offload is not None
             offload.save_record(record, meta)
-        log.info("[LMS] Recorded %d steps to %s (read them with `lms replay`)", steps, record)
+            last = offload.step_record().steps[-1]
+        log.info(
+            "[LMS] Recorded %d steps to %s (read them with `lms replay`); the recorder's own host "
+            "time in the last: %.4f s of %.4f s",
+            steps,
+            record,
+            last.recorder_s,
+            last.step_s,
+        )
     if offload is not None:
         offload.close()
     if kept is not None:

@@ -127,6 +127,11 @@ class Replay:
     parts])."""
     op_kinds: tuple[OpKind, ...] = ()
     """The kinds of op whose kernels took furthest from their prices, largest gap first."""
+    measured_recorder_s: float = 0.0
+    """The recorder's own host time in the step (`lms.core.steprecord.StepTimes.recorder_s`),
+    part of ``measured_idle_s`` where the host set the pace."""
+    measured_recorder_reads_s: float = 0.0
+    """Of that, its reads of the memory in use."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready values."""
@@ -196,6 +201,8 @@ def replay(record: StepRecord, *, step: int | None = None) -> Replay:
         op_kinds=op_kinds(
             trace, pairs, op_seconds(trace, spec, half, write_log=write_log), overhead_s=overhead
         ),
+        measured_recorder_s=times.recorder_s,
+        measured_recorder_reads_s=times.recorder_reads_s,
     )
 
 
@@ -343,6 +350,16 @@ def format_replay(result: Replay) -> str:
             else "the host's own time between ops"
         )
         if result.measured_step_s > 0
+        else "",
+        f"  the recorder's own host time: {result.measured_recorder_s:.4f} s "
+        f"({result.measured_recorder_s / result.matched_ops * 1e6:.1f} us a matched op, "
+        f"{result.measured_recorder_reads_s:.4f} s of it reading memory in use), "
+        + (
+            "the host's; the card idles for it where the host sets the pace"
+            if result.clock == "cuda-events"
+            else "in the step's time between ops"
+        )
+        if result.measured_recorder_s > 0 and result.matched_ops
         else "",
         f"[LMS] The plan predicted {result.planned_step_s:.4f} s against a no-offload step of "
         f"{result.base_step_s:.4f} s; floor {result.floor_s:.4f} s (the larger of the link's time "

@@ -18,7 +18,27 @@ allocator's statistics, and nothing else until the step ends; an op that runs no
 a `set_`, an `empty`) costs no events, its start and end being the last op's end, and one that
 allocates nothing (all but `empty`) takes the last op's reading of the allocator. Such ops are
 half or more of a step's: a detach for each tensor autograd saves, and the runtime's own detach
-and `set_` in its hooks.
+and `set_` in its hooks. On a CPU the reading is a count the recorder keeps (Note [Memory in use
+at each op on a CPU]). The recorder clocks its own work inside each op's dispatch (its marks,
+its reads of memory in use, its bookkeeping) on the host's wall clock and keeps the sum with the
+step (`lms.core.steprecord.StepTimes.recorder_s`, its reads apart), so that a replay can say how
+much of the time between ops was its own; the dispatch into its mode, before and after that, is
+not in it.
+
+Note: [Memory in use at each op on a CPU]
+On a card the allocator's statistics are one read. On a CPU the C heap's count (glibc's
+``mallinfo2``) walks every free chunk of every arena: mid-step it took 65 to 300 us a read, more
+the longer the process had run, and nearly all of the recorder's cost (benchmarks/results/
+README.md, "What recording a step costs"). So on a CPU the heap is read once, when the step
+begins, and from there the recorder counts the storages the step's ops make: each output that
+its op's schema does not alias to an input is a new storage, counted with its bytes and watched
+through a weak reference, which PyTorch keeps alive exactly as long as the storage (its Python
+object is preserved with it), so that its free is taken off when it happens, between ops or
+inside one. The memory in use at an op's end is the heap at the step's start plus what is alive
+of those. What a kernel allocates and frees inside itself (a convolution's scratch), and frees
+of storages made before the step, are not in it. The step's peak is the larger of the heap's,
+sampled on a thread every 10 ms (which sees the scratch of long ops), and the most of those
+counts (which sees a peak between two samples).
 """
 
 from __future__ import annotations
@@ -26,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,8 +84,13 @@ class StepLog:
         self._number = 0
         self._start_bytes = 0
         self._counters: dict[str, float] = {}
-        self._memory: Callable[[], tuple[int, int]] = _heap_bytes
+        self._made: _MadeStorages | None = None  # on a CPU, in a step
+        self._memory: Callable[[], tuple[int, int]] = self._made_bytes
         self._last: tuple[Any, int, int] = (0.0, 0, 0)  # the last op's end and allocator reading
+        self.own_s = 0.0
+        """The recorder's own host time in the step so far (Note [One clock for a step record])."""
+        self.reads_s = 0.0
+        """Of that, its reads of the memory in use."""
         self.mark: Callable[[], Any] = time.perf_counter
         """Now, on the step's clock: a CUDA event on the current stream, or the wall clock."""
         if self.cuda:
@@ -72,6 +98,10 @@ class StepLog:
 
             self._memory = functools.partial(allocator_bytes, device)
             self.mark = timing_event
+
+    def _made_bytes(self) -> tuple[int, int]:
+        """On a CPU, the memory in use now (Note [Memory in use at each op on a CPU])."""
+        return (0, 0) if self._made is None else self._made.read()
 
     # -- marks ---------------------------------------------------------------------------------
     def _seconds(self, mark: Any) -> float:
@@ -85,6 +115,7 @@ class StepLog:
         self._number = number
         self._counters = dict(counters)
         self._ops, self._copies, self._waits, self._io, self._io_times = [], [], [], {}, []
+        self.own_s = self.reads_s = 0.0
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -95,6 +126,7 @@ class StepLog:
             # every 10 ms catches them at a fifth of the default sampler's wakes.
             self._peak = PeakMemory(interval_s=0.01).__enter__()
             self._start_bytes = heap_in_use_bytes() or 0
+            self._made = _MadeStorages(self._start_bytes)
         self._wall0 = time.perf_counter()
         self._last = (self._start if self.cuda else self._wall0, *self._memory())
         self._mode = _OpTimer(self)
@@ -107,6 +139,7 @@ class StepLog:
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
         stop = self.mark()
+        made, self._made = self._made, None
         if self.cuda:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -114,6 +147,10 @@ class StepLog:
             assert self._peak is not None
             self._peak.__exit__(None, None, None)
             peak = self._start_bytes + max(self._peak.heap_growth_bytes or 0, 0)
+            if (
+                made is not None
+            ):  # a peak between samples (Note [Memory in use at each op on a CPU])
+                peak = max(peak, made.base_bytes + made.most_bytes)
         seconds = self._seconds
         ops = tuple(
             OpTime(name, section, backward, seconds(a), seconds(b), allocated, reserved)
@@ -155,6 +192,8 @@ class StepLog:
                 copies=tuple(sorted(copies, key=lambda c: c.start_s)),
                 waits=tuple(WaitTime(o, seconds(a), seconds(b)) for o, a, b in self._waits),
                 stats=step,
+                recorder_s=self.own_s,
+                recorder_reads_s=self.reads_s,
             )
         )
 
@@ -221,18 +260,67 @@ class StepLog:
         if self.recording:
             self._waits.append((ordinal, start, end))
 
-    def _note_op(self, name: str, start: Any, end: Any) -> None:
+    def _note_op(self, name: str, start: Any, end: Any, out: Any, fresh: tuple[bool, ...]) -> None:
+        before = _clock()
+        if self._made is not None:
+            self._made.count(out, fresh)
         allocated, reserved = self._memory()
+        self.reads_s += _clock() - before
         self._last = (end, allocated, reserved)
         self._ops.append((name, self._section, in_backward(), start, end, allocated, reserved))
 
-    def _note_still(self, name: str, allocates: bool) -> None:
+    def _note_still(self, name: str, allocates: bool, out: Any, fresh: tuple[bool, ...]) -> None:
         """An op that ran no kernel, at the last op's end (Note [One clock for a step record])."""
         end, allocated, reserved = self._last
         if allocates:
-            self._note_op(name, end, end)
+            self._note_op(name, end, end, out, fresh)
         else:
             self._ops.append((name, self._section, in_backward(), end, end, allocated, reserved))
+
+
+class _MadeStorages:
+    """The storages a step's ops made that are still alive, and their bytes (Note [Memory in use
+    at each op on a CPU])."""
+
+    def __init__(self, base_bytes: int):
+        self.base_bytes = base_bytes
+        self.alive_bytes = 0
+        self.most_bytes = 0
+        """The most ``alive_bytes`` has been."""
+        self._alive: dict[int, tuple[int, weakref.ref[torch.UntypedStorage]]] = {}
+
+    def count(self, out: Any, fresh: tuple[bool, ...]) -> None:
+        """Count the storages of the outputs ``out`` that ``fresh`` (a flag for each of the op's
+        returns) says are new."""
+        returns = out if isinstance(out, tuple) else (out,)
+        for value, new in zip(returns, fresh, strict=False):
+            if not new:
+                continue
+            for tensor in value if isinstance(value, list) else (value,):
+                if isinstance(tensor, torch.Tensor):
+                    self._add(tensor.untyped_storage())
+
+    def _add(self, storage: torch.UntypedStorage) -> None:
+        nbytes = storage.nbytes()
+        address = storage.data_ptr()
+        if not nbytes or address in self._alive:
+            return
+        self._alive[address] = (
+            nbytes,
+            weakref.ref(storage, functools.partial(self._gone, address)),
+        )
+        self.alive_bytes += nbytes
+        self.most_bytes = max(self.most_bytes, self.alive_bytes)
+
+    def _gone(self, address: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+        known = self._alive.get(address)
+        if known is not None and known[1] is ref:
+            del self._alive[address]
+            self.alive_bytes -= known[0]
+
+    def read(self) -> tuple[int, int]:
+        """The heap at the step's start plus the bytes alive, and no reserve."""
+        return self.base_bytes + self.alive_bytes, 0
 
 
 class _OpTimer(TorchDispatchMode):
@@ -243,22 +331,26 @@ class _OpTimer(TorchDispatchMode):
         self.log = log
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        entered = _clock()
         log = self.log
-        name, kernel, allocates = _about(func)
+        name, kernel, allocates, fresh = _about(func)
         if not kernel:
+            ran = _clock()
             out = func(*args, **(kwargs or {}))
-            log._note_still(name, allocates)
+            returned = _clock()
+            log._note_still(name, allocates, out, fresh)
+            log.own_s += ran - entered + _clock() - returned
             return out
         start = log.mark()
+        ran = _clock()
         out = func(*args, **(kwargs or {}))
-        log._note_op(name, start, log.mark())
+        returned = _clock()
+        log._note_op(name, start, log.mark(), out, fresh)
+        log.own_s += ran - entered + _clock() - returned
         return out
 
 
-def _heap_bytes() -> tuple[int, int]:
-    """The C heap in use, and no reserve: the resident set is left out, since reading it costs
-    each op as much again."""
-    return heap_in_use_bytes() or 0, 0
+_clock = time.perf_counter
 
 
 _ALLOCATE_ONLY = frozenset({"empty", "empty_strided", "new_empty", "new_empty_strided"})
@@ -266,9 +358,13 @@ _ALLOCATE_ONLY = frozenset({"empty", "empty_strided", "new_empty", "new_empty_st
 
 
 @functools.cache
-def _about(func: Any) -> tuple[str, bool, bool]:
-    """An op's name, whether it runs a kernel, and whether it allocates without one."""
+def _about(func: Any) -> tuple[str, bool, bool, tuple[bool, ...]]:
+    """An op's name, whether it runs a kernel, whether it allocates without one, and for each of
+    its returns whether it is new (its schema aliases it to no input)."""
     packet = getattr(getattr(func, "overloadpacket", None), "__name__", "")
     allocates = packet in _ALLOCATE_ONLY
     still = getattr(func, "is_view", False) or packet == "set_" or allocates
-    return str(func), not still, allocates
+    schema = getattr(func, "_schema", None)
+    returns = () if schema is None else schema.returns
+    fresh = tuple(value.alias_info is None for value in returns)
+    return str(func), not still, allocates, fresh

@@ -141,6 +141,67 @@ def test_an_op_that_runs_no_kernel_is_recorded_without_marks_of_its_own(spill_di
     assert kernels and all(op.end_s > op.start_s for op in kernels)
 
 
+def test_a_record_keeps_the_recorders_own_time_apart_from_the_ops(spill_dir, monkeypatch):
+    """Note [One clock for a step record]: the recorder clocks its own work at each op; a read
+    of memory in use made 2 ms slower shows in that time, and between the ops, not in their
+    spans."""
+    import time
+
+    model, x, offload = _recorded(spill_dir, steps=1)
+    quick = offload.step_record().steps[-1]
+    assert 0 < quick.recorder_s < quick.step_s
+    log = offload._log
+    assert log is not None
+    read = log._memory
+
+    def slow() -> tuple[int, int]:
+        time.sleep(2e-3)
+        return read()
+
+    monkeypatch.setattr(log, "_memory", slow)
+    run_step(model, [x], offload)
+    step = offload.step_record().steps[-1]
+    reads = sum(1 for op in step.ops if op.end_s > op.start_s or op.name.split(".")[1] == "empty")
+    assert step.recorder_s >= step.recorder_reads_s >= reads * 2e-3 > quick.recorder_s
+    assert 0 < quick.recorder_reads_s < quick.recorder_s
+    result = replay(offload.step_record())
+    assert result.measured_recorder_s == step.recorder_s <= result.measured_idle_s
+    assert "the recorder's own host time" in format_replay(result)
+
+
+def test_a_cpu_record_counts_the_storages_its_ops_make_and_free():
+    """Note [Memory in use at each op on a CPU]: an op's new outputs count from its end, a
+    storage freed between ops comes off, in-place ops and views add nothing; the count at the
+    step's end matches glibc's own within a page or two per storage."""
+    from lms.runtime.heap import heap_in_use_bytes
+    from lms.runtime.steplog import StepLog
+
+    def ops():
+        a = torch.randn(2**20)
+        b = a * 2
+        a.add_(1)
+        flat = b.view(-1)
+        del a
+        c = b + 1
+        doubled = torch._foreach_mul([b, c], 2.0)
+        assert flat.data_ptr() == b.data_ptr() and len(doubled) == 2
+        return heap_in_use_bytes(), (b, c, doubled)
+
+    mib4 = 4 * 2**20
+    log = StepLog(torch.device("cpu"))
+    for number in (1, 2):  # the first step's one-time allocations (the mode's imports) past
+        log.begin(number, {})
+        heap, alive = ops()
+        log.end({})
+    step = log.steps[-1]
+    made = {op.name: op.allocated_bytes - step.start_bytes for op in step.ops}
+    assert made["aten.mul.Tensor"] == 2 * mib4
+    assert made["aten.add_.Tensor"] == 2 * mib4
+    assert made["aten.add.Tensor"] == 2 * mib4  # a went, c came
+    assert made["aten._foreach_mul.Scalar"] == 4 * mib4
+    assert heap is not None and abs(heap - step.ops[-1].allocated_bytes) < 2**20, alive
+
+
 def test_recording_changes_no_bit_of_a_recomputing_plan(spill_dir):
     from lms.analysis import trace_step
 

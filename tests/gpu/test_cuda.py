@@ -649,6 +649,7 @@ def test_a_step_record_on_cuda_times_ops_copies_and_waits_on_the_cards_clock(
     assert all(c.tier == "host" and 0 <= c.start_s < c.end_s for c in last.copies)
     assert all(op.start_s <= op.end_s <= last.step_s for op in last.ops)
     assert last.peak_bytes > last.start_bytes
+    assert 0 < last.recorder_s < last.step_s  # the host's, on the wall clock
     result = replay(record)
     assert result.matched_ops >= 0.9 * result.trace_ops, result
     assert result.measured_copy_s > 0 and result.predicted_copy_s > 0

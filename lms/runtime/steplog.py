@@ -147,10 +147,9 @@ class StepLog:
             assert self._peak is not None
             self._peak.__exit__(None, None, None)
             peak = self._start_bytes + max(self._peak.heap_growth_bytes or 0, 0)
-            if (
-                made is not None
-            ):  # a peak between samples (Note [Memory in use at each op on a CPU])
+            if made is not None:  # Note [Memory in use at each op on a CPU]
                 peak = max(peak, made.base_bytes + made.most_bytes)
+                made.forget()
         seconds = self._seconds
         ops = tuple(
             OpTime(name, section, backward, seconds(a), seconds(b), allocated, reserved)
@@ -317,6 +316,10 @@ class _MadeStorages:
         if known is not None and known[1] is ref:
             del self._alive[address]
             self.alive_bytes -= known[0]
+
+    def forget(self) -> None:
+        """Stop watching: the weak references go, and their callbacks with them."""
+        self._alive.clear()
 
     def read(self) -> tuple[int, int]:
         """The heap at the step's start plus the bytes alive, and no reserve."""

@@ -290,14 +290,19 @@ class _MadeStorages:
 
     def count(self, out: Any, fresh: tuple[bool, ...]) -> None:
         """Count the storages of the outputs ``out`` that ``fresh`` (a flag for each of the op's
-        returns) says are new."""
+        returns) says are new; a sparse or opaque (oneDNN) tensor's, which PyTorch does not
+        show, are not counted."""
         returns = out if isinstance(out, tuple) else (out,)
         for value, new in zip(returns, fresh, strict=False):
             if not new:
                 continue
             for tensor in value if isinstance(value, list) else (value,):
-                if isinstance(tensor, torch.Tensor):
-                    self._add(tensor.untyped_storage())
+                if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided:
+                    try:
+                        storage = tensor.untyped_storage()
+                    except (NotImplementedError, RuntimeError):  # a subclass without one
+                        continue
+                    self._add(storage)
 
     def _add(self, storage: torch.UntypedStorage) -> None:
         nbytes = storage.nbytes()

@@ -291,23 +291,22 @@ class _MadeStorages:
     def count(self, out: Any, fresh: tuple[bool, ...]) -> None:
         """Count the storages of the outputs ``out`` that ``fresh`` (a flag for each of the op's
         returns) says are new; a sparse or opaque (oneDNN) tensor's, which PyTorch does not
-        show, are not counted."""
+        show, and a wrapper subclass's (its parts are counted where they are made) are not."""
         returns = out if isinstance(out, tuple) else (out,)
         for value, new in zip(returns, fresh, strict=False):
             if not new:
                 continue
             for tensor in value if isinstance(value, list) else (value,):
                 if isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided:
-                    try:
-                        storage = tensor.untyped_storage()
-                    except (NotImplementedError, RuntimeError):  # a subclass without one
-                        continue
-                    self._add(storage)
+                    self._add(tensor)
 
-    def _add(self, storage: torch.UntypedStorage) -> None:
-        nbytes = storage.nbytes()
-        address = storage.data_ptr()
-        if not nbytes or address in self._alive:
+    def _add(self, tensor: torch.Tensor) -> None:
+        try:
+            storage = tensor.untyped_storage()
+            nbytes, address = storage.nbytes(), storage.data_ptr()
+        except (NotImplementedError, RuntimeError):  # a wrapper subclass: its parts count
+            return
+        if not nbytes or not address or address in self._alive:
             return
         self._alive[address] = (
             nbytes,

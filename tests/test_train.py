@@ -45,6 +45,20 @@ def test_every_method_trains_and_measures():
     assert results["lms"].lms_stats is not None
 
 
+def test_a_step_far_from_its_plan_says_where_the_op_times_came_from(tmp_path, monkeypatch):
+    """A step 2.5 times faster (or 3 times slower) than its plan predicted names the plan cache
+    that keeps the op times it was priced at; one 1.5 times slower says nothing."""
+    from lms.harness.train import far_from_plan
+
+    monkeypatch.setenv("LMS_CACHE_DIR", str(tmp_path))
+    fast = far_from_plan(1.0, 2.5)
+    assert fast is not None and "0.40x" in fast and str(tmp_path) in fast
+    assert "LMS_CACHE_DIR" in fast
+    slow = far_from_plan(3.0, 1.0)
+    assert slow is not None and "3.00x" in slow
+    assert far_from_plan(1.5, 1.0) is None and far_from_plan(1.0, 0.0) is None
+
+
 def test_checkpoint_blocks_wraps_blocks_only():
     model = checkpoint_blocks(ZOO["resnet50"].build())
     assert type(model.layer1).__name__ == "_Checkpointed"

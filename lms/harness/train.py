@@ -35,7 +35,14 @@ from lms.harness.memory import SampledSteps, tensors_bytes
 from lms.harness.zoo import ZOO, ZooModel, zoo_model
 from lms.orchestration.session import LMS
 
-__all__ = ["TrainResult", "train", "METHODS", "checkpoint_blocks", "hugging_face_checkpointing"]
+__all__ = [
+    "TrainResult",
+    "train",
+    "METHODS",
+    "checkpoint_blocks",
+    "far_from_plan",
+    "hugging_face_checkpointing",
+]
 
 log = logging.getLogger("lms.harness.train")
 METHODS = (
@@ -446,6 +453,31 @@ def _run_steps(
     return loss, times, peaks
 
 
+FAR_FROM_PLAN = 2.0
+"""How many times slower or faster than its plan predicted a step must run for `lms train` to
+say where the prediction's op times came from."""
+
+
+def far_from_plan(measured_s: float, predicted_s: float) -> str | None:
+    """What to do about a step that ran `FAR_FROM_PLAN` times slower or faster than its plan
+    predicted; None for one nearer. The plan is priced at its ops' times as they were measured
+    when it was tuned, and the plan cache keeps those times with the plan for later runs: timed
+    while the machine was busy, they price every later run of the step wrong."""
+    if measured_s <= 0 or predicted_s <= 0:
+        return None
+    ratio = measured_s / predicted_s
+    if 1 / FAR_FROM_PLAN < ratio < FAR_FROM_PLAN:
+        return None
+    from lms.orchestration.cache import ENV_VAR, cache_folder
+
+    return (
+        f"[LMS] The step ran {ratio:.2f}x the time its plan predicted. The plan is priced at "
+        "its ops' times as measured when it was tuned, in this run or in an earlier one whose "
+        f"plan the cache kept ({cache_folder()}); if the machine was busier or quieter then, "
+        f"delete this step's files there (or set {ENV_VAR} to an empty folder) to time them again"
+    )
+
+
 def _log_result(result: TrainResult, memory: Any, entry: ZooModel, *, caveat: str = "") -> None:
     """The run's `[LMS]` line: its step time, rate and peak, and on a CPU where the peak came
     from (weights and batch, then the heap's or the resident set's growth)."""
@@ -484,6 +516,9 @@ def _log_result(result: TrainResult, memory: Any, entry: ZooModel, *, caveat: st
             result.step_s / plan["floor_s"] if plan["floor_s"] else float("nan"),
             f" ({caveat})" if caveat else "",
         )
+        advice = far_from_plan(result.step_s, plan["predicted_step_s"])
+        if advice is not None and not caveat:  # a first or sampled step's time says less
+            log.warning(advice)
 
 
 def _plan_summary(offload: LMS | None) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lms.core.steprecord import StepTimes, load_record
 from lms.harness.train import train
 from lms.runtime.heap import PeakMemory, heap_in_use_bytes
-from lms.runtime.steplog import StepLog
+from lms.runtime.steplog import _ALLOCATE_ONLY, StepLog
 
 
 def main() -> None:
@@ -168,14 +168,8 @@ def _parts(size: int, rounds: int) -> dict[str, float]:
 def _reads(step: StepTimes) -> int:
     """How many times the recorder read the memory in use in ``step``: after each op that ran a
     kernel and each that allocates without one (Note [One clock for a step record])."""
-    return (
-        sum(
-            1
-            for op in step.ops
-            if op.end_s > op.start_s or op.name.split(".")[1].startswith(("empty", "new_empty"))
-        )
-        or 1
-    )
+    reads = [op.end_s > op.start_s or op.name.split(".")[1] in _ALLOCATE_ONLY for op in step.ops]
+    return sum(reads) or 1
 
 
 if __name__ == "__main__":

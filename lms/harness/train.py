@@ -286,8 +286,9 @@ def train(
             last = plain.log.steps[-1]
         else:
             assert offload is not None
-            offload.save_record(record, meta)
-            last = offload.step_record().steps[-1]
+            saved = offload.step_record(meta)
+            saved.save(record)
+            last = saved.steps[-1]
         log.info(
             "[LMS] Recorded %d steps to %s (read them with `lms replay`); the recorder's own host "
             "time in the last: %.4f s of %.4f s",
@@ -516,8 +517,8 @@ def _log_result(result: TrainResult, memory: Any, entry: ZooModel, *, caveat: st
             result.step_s / plan["floor_s"] if plan["floor_s"] else float("nan"),
             f" ({caveat})" if caveat else "",
         )
-        advice = far_from_plan(result.step_s, plan["predicted_step_s"])
-        if advice is not None and not caveat:  # a first or sampled step's time says less
+        advice = None if caveat else far_from_plan(result.step_s, plan["predicted_step_s"])
+        if advice is not None:  # not for a first or sampled step, whose time says less
             log.warning(advice)
 
 

@@ -27,18 +27,18 @@ not in it.
 
 Note: [Memory in use at each op on a CPU]
 On a card the allocator's statistics are one read. On a CPU the C heap's count (glibc's
-``mallinfo2``) walks every free chunk of every arena: mid-step it took 65 to 300 us a read, more
-the longer the process had run, and nearly all of the recorder's cost (benchmarks/results/
-README.md, "What recording a step costs"). So on a CPU the heap is read once, when the step
-begins, and from there the recorder counts the storages the step's ops make: each output that
-its op's schema does not alias to an input is a new storage, counted with its bytes and watched
-through a weak reference, which PyTorch keeps alive exactly as long as the storage (its Python
-object is preserved with it), so that its free is taken off when it happens, between ops or
-inside one. The memory in use at an op's end is the heap at the step's start plus what is alive
-of those. What a kernel allocates and frees inside itself (a convolution's scratch), and frees
-of storages made before the step, are not in it. The step's peak is the larger of the heap's,
-sampled on a thread every 10 ms (which sees the scratch of long ops), and the most of those
-counts (which sees a peak between two samples).
+``mallinfo2``) walks every free chunk of every arena: mid-step a read took hundreds of microseconds,
+more the longer the process had run, and nearly all of the recorder's cost
+(benchmarks/results/README.md, "What recording a step costs"). So on a CPU the heap is read once,
+when the step begins, and from there the recorder counts the storages the step's ops make: each
+output that its op's schema does not alias to an input is a new storage, counted with its bytes and
+watched through a weak reference, which PyTorch keeps alive exactly as long as the storage (its
+Python object is preserved with it), so that its free is taken off when it happens, between ops or
+inside one. The memory in use at an op's end is the heap at the step's start plus what is alive of
+those. What a kernel allocates and frees inside itself (a convolution's scratch), and frees of
+storages made before the step, are not in it. The step's peak is the larger of the heap's, sampled
+on a thread every 10 ms (which sees the scratch of long ops), and the most of those counts (which
+sees a peak between two samples).
 """
 
 from __future__ import annotations

@@ -298,6 +298,21 @@ def no_convolution():
     return torch.nn.Linear(4, 4)
 
 
+class _Registration(torch.nn.Module):
+    """Two volumes in, as an image registration network takes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv3d(2, 3, 3)
+
+    def forward(self, moving, fixed):
+        return self.conv(torch.cat([moving, fixed], 1))
+
+
+def two_inputs():
+    return _Registration()
+
+
 def pooled_classifier():
     """Images pooled by a 5-pixel window: too small an image fails in the pooling's shape check."""
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AvgPool2d(5), torch.nn.Flatten())
@@ -537,6 +552,13 @@ def test_an_imported_builder_without_a_convolution_is_refused_naming_the_way_on(
     assert main(argv) == 2
     refused = capsys.readouterr().err
     assert "has neither a convolution nor an embedding, so its input cannot be told" in refused
+
+
+def test_an_imported_builder_of_a_model_of_two_inputs_is_refused_naming_them(capsys):
+    argv = ["analyze", "--model", "tests.test_train:two_inputs", "--image-size", "8"]
+    assert main(argv) == 2
+    refused = capsys.readouterr().err
+    assert "takes 2 inputs (moving, fixed)" in refused and "your own step" in refused
 
 
 def test_cli_keeps_named_submodules_on_the_device_and_refuses_other_names(tmp_path, capsys):

@@ -569,8 +569,9 @@ def _imported(
     else its kind's (`_DEFAULT_SIZES`).
 
     Raises:
-        ValueError: the builder fails, or the model has neither a convolution nor an embedding
-            to take its input from; from ``make_batch``, the model fails on the batch's shape.
+        ValueError: the builder fails, the model has neither a convolution nor an embedding
+            to take its input from, or its forward needs more than one input; from
+            ``make_batch``, the model fails on the batch's shape.
     """
     try:
         probe = on_meta(build)
@@ -586,6 +587,13 @@ def _imported(
             f"lms: model={name!r} has neither a convolution nor an embedding, so its input "
             "cannot be told from it; train it with lms.LMS around your own step, or plan it with "
             "lms.analyze and your own batch"
+        )
+    inputs = _required_arguments(probe.forward)
+    if len(inputs) > 1:
+        raise ValueError(
+            f"lms: model={name!r} takes {len(inputs)} inputs ({', '.join(inputs)}), and a "
+            "builder's model is fed one batch; train it with lms.LMS around your own step, or "
+            "write a builder whose model takes one input and makes the others"
         )
     dims = next(dims for kind, dims in _INPUTS.items() if isinstance(first, kind))
     # Note [An encoder-decoder model learns from its labels]

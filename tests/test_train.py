@@ -2,6 +2,9 @@
 
 import contextlib
 import json
+import pathlib
+import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -237,6 +240,23 @@ class _LateStem(torch.nn.Module):
 def late_stem():
     """1 channel of 3D volumes in (the convolution it runs first), 2 classes a voxel out."""
     return _LateStem()
+
+
+class _WideLateStem(torch.nn.Module):
+    """A cell of 2048 channels defined before the 1-channel stem that runs first: a batch of
+    the cell's channels at 64 voxels would take 2 GiB."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = torch.nn.Conv3d(2048, 2, 1)
+        self.stem = torch.nn.Conv3d(1, 2048, 1)
+
+    def forward(self, x):
+        return self.cell(self.stem(x))
+
+
+def wide_late_stem():
+    return _WideLateStem()
 
 
 def signal_regressor():
@@ -552,6 +572,29 @@ def test_an_imported_builder_without_a_convolution_is_refused_naming_the_way_on(
     assert main(argv) == 2
     refused = capsys.readouterr().err
     assert "has neither a convolution nor an embedding, so its input cannot be told" in refused
+
+
+def test_channel_counts_tried_in_vain_are_probed_without_a_batch_of_them():
+    """Note [The convolution that runs first]: the batch a probe fails on is never filled (the
+    2048 channels' would take 2 GiB), measured in a process of its own."""
+    code = (
+        "import resource; from lms.harness.zoo import zoo_model; "
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss; "
+        "inputs, _ = zoo_model('tests.test_train:wide_late_stem').make_batch(64, 1); "
+        "grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before; "
+        "print(list(inputs.shape), grown * 1024)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
+    shape, grown = done.stdout.split("]")
+    assert shape == "[1, 1, 64, 64, 64"
+    assert int(grown) < 512 * 2**20, done.stdout
 
 
 def test_an_imported_builder_of_a_model_of_two_inputs_is_refused_naming_them(capsys):

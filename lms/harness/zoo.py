@@ -618,7 +618,9 @@ def _imported(
     # DiNTS defines its search space's cells, of 32 channels, before the stem that takes its one.
     # Where the batch of the first one's channels fails, the channels of the model's other
     # convolutions of that kind are tried in the order it defines them, and the first that runs
-    # is kept.
+    # is kept. Each is probed on a batch's shape alone, on the meta device, and only the batch
+    # that runs is filled: a real batch of each channel count tried in vain took MONAI's AHNet
+    # 185 s of random numbers (benchmarks/results/README.md, "Probes on shapes alone").
     channels = [getattr(first, "in_channels", 0)]
     others = list(
         dict.fromkeys(
@@ -628,14 +630,16 @@ def _imported(
         )
     )
 
-    def inputs_of(size: int, batch: int) -> torch.Tensor:
+    def inputs_of(size: int, batch: int, device: str = "cpu") -> torch.Tensor:
+        """The batch's inputs at ``size``: on ``"meta"``, their shape alone, to probe with (a
+        real batch of a channel count tried in vain can take seconds to fill)."""
         if isinstance(first, torch.nn.Embedding):
-            return torch.randint(0, first.num_embeddings, (batch, size))
+            return torch.randint(0, first.num_embeddings, (batch, size), device=device)
         if frames is not None:
-            return torch.randn(batch, channels[0], frames, size, size)
+            return torch.randn(batch, channels[0], frames, size, size, device=device)
         if waveform[0]:
-            return torch.randn(batch, size)
-        return torch.randn(batch, channels[0], *[size] * dims)
+            return torch.randn(batch, size, device=device)
+        return torch.randn(batch, channels[0], *[size] * dims, device=device)
 
     def may_be_waveform() -> bool:
         return isinstance(first, torch.nn.Conv1d) and first.in_channels == 1 and not waveform[0]
@@ -679,7 +683,7 @@ def _imported(
         # refuses to normalize a single value: such a model trains on batches of two or more.
         # Any other failure is left to `make`, which reports it as the model's.
         try:
-            shape_of(inputs_of(size, 1), size)
+            shape_of(inputs_of(size, 1, "meta"), size)
         except Exception as error:  # the user's model
             if _ONE_VALUE_PER_CHANNEL in str(error):
                 log.info(
@@ -691,7 +695,7 @@ def _imported(
         return 1
 
     def make(size: int, batch: int) -> Sequence[torch.Tensor]:
-        inputs = inputs_of(size, batch)
+        inputs = inputs_of(size, batch, "meta")
         try:
             shape = shape_of(inputs, size)
         except Exception as error:  # the user's model: whatever it raises is reported as theirs
@@ -707,7 +711,7 @@ def _imported(
             for other in others:  # Note [The convolution that runs first]
                 channels[0] = other
                 try:
-                    shape = shape_of(inputs_of(size, batch), size)
+                    shape = shape_of(inputs_of(size, batch, "meta"), size)
                 except Exception:  # nor these channels
                     continue
                 log.info(
@@ -726,7 +730,7 @@ def _imported(
                 f"{reason}; try another size or batch size",
                 reason,
             ) from None
-        return _targets(inputs, shape)
+        return _targets(inputs_of(size, batch), shape)
 
     def _targets(inputs: torch.Tensor, shape: torch.Size) -> Sequence[torch.Tensor]:
         batch = len(inputs)

@@ -521,6 +521,21 @@ def _check_extras(args: argparse.Namespace) -> None:
         require("torchvision", for_what="--data")
 
 
+def _refuse_share(command: str, flag: str, value: str) -> None:
+    """Refuse a share (``"60%"``) given to a command that runs several sizes under one memory
+    size, naming the commands that take one.
+
+    Raises:
+        ValueError: ``value`` is a share.
+    """
+    if value.strip().endswith("%"):
+        raise ValueError(
+            f"lms: {flag}={value!r} is a share of one step's peak, and lms {command} runs "
+            "several sizes under one device memory: give a size, as '8GiB' (lms train "
+            "--budget and lms analyze --gpu-memory take a share)"
+        )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``lms`` command."""
     args = build_parser().parse_args(argv)
@@ -537,12 +552,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if memory is not None and (
             args.command != "analyze" or parse_share(memory, field="--gpu-memory") is None
         ):
+            _refuse_share(args.command, "--gpu-memory", memory)
             parse_bytes(memory, field="--gpu-memory", positive=True)
         # sizes checked before the model is looked at (train takes a share, bench a size)
         budget = getattr(args, "budget", None)
         if budget is not None and (
             args.command != "train" or parse_share(budget, field="--budget") is None
         ):
+            _refuse_share(args.command, "--budget", budget)
             parse_bytes(budget, field="--budget", positive=True)
         if getattr(args, "host_budget", None) is not None:
             parse_bytes(args.host_budget, field="--host-budget", positive=True)

@@ -801,6 +801,26 @@ def test_cli_train_refuses_a_bad_host_budget_before_training(capsys):
     assert "--host-budget='lots' is not a size" in capsys.readouterr().err  # the flag typed
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--model", "resnet50", "--sizes", "64", "--budget", "70%"],
+        ["sweep", "--model", "resnet50", "--gpu-memory", "70%"],
+    ],
+    ids=["bench", "sweep"],
+)
+def test_a_share_given_to_a_command_of_several_sizes_is_refused_naming_those_that_take_one(
+    argv, capsys, monkeypatch
+):
+    from lms.harness import zoo
+
+    monkeypatch.setattr(zoo, "zoo_model", lambda name: pytest.fail("the zoo was consulted"))
+    assert main(["-q", *argv]) == 2
+    err = capsys.readouterr().err
+    assert f"='70%' is a share of one step's peak, and lms {argv[0]} runs several sizes" in err
+    assert "lms train --budget and lms analyze --gpu-memory take a share" in err
+
+
 @pytest.mark.parametrize("method", ["lms", "none"])
 def test_a_step_the_model_cannot_take_is_a_typed_error_before_training(method, capsys):
     """ResNet50 at 32 px, batch 1: its last batch norm sees one value per channel."""

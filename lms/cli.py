@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lms.core.errors import LMSError, PlanInfeasibleError
-from lms.core.units import parse_bytes, parse_share
+from lms.core.units import is_share, parse_bytes, parse_share
 from lms.core.version import __version__
 
 __all__ = ["EXIT_CODES", "main"]
@@ -521,19 +521,23 @@ def _check_extras(args: argparse.Namespace) -> None:
         require("torchvision", for_what="--data")
 
 
-def _refuse_share(command: str, flag: str, value: str) -> None:
-    """Refuse a share (``"60%"``) given to a command that runs several sizes under one memory
-    size, naming the commands that take one.
+def _check_memory(command: str, flag: str, value: str | None, *, takes_share: bool) -> None:
+    """Check a memory size given on the command line before any work: a share (``"60%"``)
+    where ``command`` takes one, else a size; a share given to a command that runs several
+    sizes under one memory size is refused naming the commands that take one.
 
     Raises:
-        ValueError: ``value`` is a share.
+        ValueError: ``value`` is neither, naming ``flag``.
     """
-    if value.strip().endswith("%"):
+    if value is None or takes_share and parse_share(value, field=flag) is not None:
+        return
+    if is_share(value):
         raise ValueError(
             f"lms: {flag}={value!r} is a share of one step's peak, and lms {command} runs "
             "several sizes under one device memory: give a size, as '8GiB' (lms train "
             "--budget and lms analyze --gpu-memory take a share)"
         )
+    parse_bytes(value, field=flag, positive=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -547,20 +551,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"  # for the processes it starts (ops timed, bench runs)
     try:
-        # analyze also takes a share of the step's peak; a sweep's is the device's memory
-        memory = getattr(args, "gpu_memory", None)
-        if memory is not None and (
-            args.command != "analyze" or parse_share(memory, field="--gpu-memory") is None
-        ):
-            _refuse_share(args.command, "--gpu-memory", memory)
-            parse_bytes(memory, field="--gpu-memory", positive=True)
-        # sizes checked before the model is looked at (train takes a share, bench a size)
-        budget = getattr(args, "budget", None)
-        if budget is not None and (
-            args.command != "train" or parse_share(budget, field="--budget") is None
-        ):
-            _refuse_share(args.command, "--budget", budget)
-            parse_bytes(budget, field="--budget", positive=True)
+        # sizes checked before the model is looked at: analyze's --gpu-memory and train's
+        # --budget also take a share of the step's peak; a sweep's and a bench's are sizes
+        _check_memory(
+            args.command,
+            "--gpu-memory",
+            getattr(args, "gpu_memory", None),
+            takes_share=args.command == "analyze",
+        )
+        _check_memory(
+            args.command,
+            "--budget",
+            getattr(args, "budget", None),
+            takes_share=args.command == "train",
+        )
         if getattr(args, "host_budget", None) is not None:
             parse_bytes(args.host_budget, field="--host-budget", positive=True)
         if getattr(args, "model", None) is not None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 import re
+from typing import TypeGuard
 
 __all__ = [
     "parse_bytes",
     "parse_share",
+    "is_share",
     "format_bytes",
     "format_rate",
     "check_counts",
@@ -34,6 +36,11 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
+def is_share(value: object) -> TypeGuard[str]:
+    """Whether ``value`` is written as a share (``"60%"``), valid or not."""
+    return isinstance(value, str) and value.strip().endswith("%")
+
+
 def parse_share(value: object, *, field: str = "budget") -> float | None:
     """The share of the step's peak a budget such as ``"60%"`` asks for; None for any other
     value.
@@ -41,7 +48,7 @@ def parse_share(value: object, *, field: str = "budget") -> float | None:
     Raises:
         ValueError: a percent outside (0, 100], naming ``field``.
     """
-    if not isinstance(value, str) or not value.strip().endswith("%"):
+    if not is_share(value):
         return None
     try:
         fraction = float(value.strip()[:-1]) / 100

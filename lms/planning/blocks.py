@@ -22,6 +22,15 @@ finer search's only start, which keeps what it chose and moves single finer role
 The refined plan is never predicted slower than its start (a start stands where nothing beats
 it), and the finer search costs a fraction of the coarse one
 (`benchmarks/results/tune_time_cpu.json`).
+
+Note: [Each storage polished after its role]
+A role's storages are alike in kind and size, not in where they fall: the first layer's input
+waits longest for backward, the last layer's is read back almost at once, and a plan that
+offloads the whole role may hide some of its copies and wait on others. From the roles' plan
+the per-tensor planner's polish (`lms.planning.greedy.polish`) moves single storages between
+kept, offloaded and recomputed while that is faster, within `POLISH_SIMULATIONS`; the polished
+plan stands only where it is predicted faster. Measured: benchmarks/results/README.md, "Layers
+numbered in their names".
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from lms.core.plan import Plan
 from lms.core.recipes import recipes
 from lms.core.records import Trace
 from lms.planning.candidates import Candidates
+from lms.planning.greedy.polish import polish
 from lms.planning.greedy.shared import VARIANTS, chains_with
 from lms.planning.greedy.starts import cheaper_to_recompute, distinct
 from lms.planning.minimum import smallest_plan
@@ -50,6 +60,10 @@ the plans all eight found (GPT-2 medium at 12, 24 and 48 layers at 50% to 70% of
 Llama-3-8B shape at 70% and 80%) in a quarter less time (benchmarks/results/README.md,
 "Planning time for language models")."""
 
+POLISH_SIMULATIONS = 400
+"""Simulations the per-storage polish of the roles' plan may spend (Note [Each storage polished
+after its role])."""
+
 log = logging.getLogger("lms.planning")
 
 _Start = tuple[float, int, set[int], set[int], int, int]
@@ -59,11 +73,53 @@ its prefetch variant (swapin_ahead, sync_mode)."""
 _INDEX = re.compile(r"\.\d+(?=\.|$)")
 """A module path's index into a list of modules (``h.5``, ``layers.12``)."""
 
+_NUMBERED = re.compile(r"^(.*?[^\d])(\d+)$")
+"""A module's name that ends in a number after a stem (``encoder_layer_3``, ``block2``)."""
+
+
+# Note: [Layers numbered in their names]
+# Most stacks hold their layers in a ModuleList or a Sequential, whose children are named by
+# their index (``layers.3``); some name each layer themselves, its number in the name
+# (torchvision's ViT: ``encoder.layers.encoder_layer_3``; ``block1``, ``block2``). A number at
+# the end of a name marks a layer of a stack only where its siblings share the stem and each of
+# them holds modules of its own: a bottleneck's ``conv1``, ``conv2`` and ``conv3`` are leaves of
+# one block, three roles, not one layer repeated. The numbered layers found so are a role's
+# index as a list's are; each candidate is still the whole step simulated, so a grouping too
+# coarse costs speed, never fit.
+def _numbered_layers(modules: Sequence[str]) -> dict[str, str]:
+    """Each module path whose last name numbers a layer of a stack (Note [Layers numbered in
+    their names]), and its path with that number starred."""
+    parents = {path.rpartition(".")[0] for path in modules}
+    stems: dict[tuple[str, str], list[str]] = {}
+    for path in modules:
+        parent, _, name = path.rpartition(".")
+        found = _NUMBERED.match(name)
+        if parent and found and path in parents:
+            stems.setdefault((parent, found.group(1)), []).append(path)
+    starred = {}
+    for (parent, stem), paths in stems.items():
+        if len(paths) > 1:
+            starred.update({path: f"{parent}.{stem}*" for path in paths})
+    return starred
+
+
+def _generic(path: str, starred: dict[str, str]) -> str:
+    """``path`` with the index of each layer of a stack on it starred."""
+    if starred:
+        parts = path.split(".")
+        for end in range(len(parts), 1, -1):
+            head = ".".join(parts[:end])
+            if head in starred:
+                path = ".".join([starred[head], *parts[end:]])
+                break
+    return _INDEX.sub(".*", path)
+
 
 def roles(trace: Trace) -> list[list[int]]:
     """The saved entries grouped by the role they play in a repeated block, in first-save order
     (Note [Plan one block, apply it to all])."""
     entries = trace.entries()
+    starred = _numbered_layers(trace.modules)
     grouped: dict[tuple[object, ...], list[int]] = {}
     for ordinal, (storage, nbytes, _) in enumerate(entries):
         record = trace.storages[storage]
@@ -72,7 +128,7 @@ def roles(trace: Trace) -> list[list[int]]:
         else:
             op = trace.ops[record.alloc_op]
             output = op.outputs.index(record.id) if record.id in op.outputs else -1
-            key = (_INDEX.sub(".*", op.module), op.name, output, nbytes)
+            key = (_generic(op.module, starred), op.name, output, nbytes)
         grouped.setdefault(key, []).append(ordinal)
     return list(grouped.values())
 
@@ -91,10 +147,12 @@ def plan_blocks(
     half: bool = False,
     free_held: bool = False,
     depths: int | Sequence[int] = 4,
+    polished: bool = True,
 ) -> Plan:
     """The plan with the shortest predicted step that fits ``budget_bytes``, choosing alike for
     every tensor of one role in each of ``depths`` runs of consecutive layers (Note [Plan one
-    block, apply it to all]).
+    block, apply it to all]), then, with ``polished``, moving single storages where that is
+    faster (Note [Each storage polished after its role]).
 
     ``depths`` may be several counts, fewest first (``(1, 4)``): each search after the first
     starts from the plan before it (Note [Coarse roles first]); the fastest plan stands.
@@ -133,6 +191,26 @@ def plan_blocks(
             best[0].sync_mode,
             candidates.simulations,
         )
+    if not polished:
+        return candidates.finish(*best)
+    # Note [Each storage polished after its role]
+    before = candidates.simulations
+    plan = polish(
+        candidates,
+        best[0],
+        best[1].step_s,
+        lambda: candidates.simulations >= before + POLISH_SIMULATIONS,
+    )
+    result = candidates.run(plan)
+    if candidates.fits(result) and result.step_s < best[1].step_s:
+        log.info(
+            "[LMS] [Planner] single storages moved from the roles' plan: predicted %+.2f%% "
+            "where it was %+.2f%%; %d simulations",
+            100 * result.overhead,
+            100 * best[1].overhead,
+            candidates.simulations - before,
+        )
+        best = (plan, result)
     return candidates.finish(*best)
 
 

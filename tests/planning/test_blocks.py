@@ -51,7 +51,7 @@ def test_the_plan_fits_chooses_alike_in_every_layer_and_is_followed_bitwise(frac
     trace, ids = _trace()
     spec = device_spec("cpu")
     plain = simulate(trace, None, spec)
-    plan = plan_blocks(trace, spec, int(plain.peak_bytes * fraction), depths=1)
+    plan = plan_blocks(trace, spec, int(plain.peak_bytes * fraction), depths=1, polished=False)
     result = simulate(trace, plan, spec)
     assert result.peak_bytes <= int(plain.peak_bytes * fraction)
     assert plan.offload or plan.recompute
@@ -165,3 +165,51 @@ def test_a_start_recomputes_the_roles_cheaper_to_replay_and_keeps_the_rest_where
             starts.append(result.step_s)
     plan = plan_blocks(trace, spec, budget, depths=1)
     assert starts and simulate(trace, plan, spec).step_s <= min(starts) + 1e-12
+
+
+class _Layer(torch.nn.Module):
+    """One layer: two linear layers of one size, each followed by an activation module of its
+    own, ``act1`` and ``act2``, leaves numbered alike."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+        self.act1, self.act2 = torch.nn.Tanh(), torch.nn.Tanh()
+
+    def forward(self, x):
+        return self.act2(self.fc2(self.act1(self.fc1(x))))
+
+
+class _Numbered(torch.nn.Module):
+    """A stack whose layers carry their numbers in their names, as torchvision's ViT does."""
+
+    def __init__(self, layers: int = 6, width: int = 32):
+        super().__init__()
+        self.layers = torch.nn.Module()
+        for index in range(layers):
+            self.layers.add_module(f"encoder_layer_{index}", _Layer(width))
+
+    def forward(self, x):
+        for layer in self.layers.children():
+            x = layer(x)
+        return x.sum()
+
+
+def test_layers_numbered_in_their_names_share_roles_and_leaves_numbered_alike_do_not():
+    trace = trace_step(_Numbered(), [torch.randn(64, 32)], None, device="cpu", min_offload_bytes=0)
+    found = roles(trace)
+    assert sorted(i for role in found for i in role) == list(range(len(trace.entries())))
+    # act1's and act2's outputs: two roles (leaves of one layer), each once a layer
+    sizes = sorted(len(role) for role in found)
+    assert sizes.count(6) >= 2 and max(sizes) == 6, sizes
+
+
+@pytest.mark.parametrize("fraction", [0.8, 0.6])
+def test_the_polished_plan_fits_and_is_never_predicted_slower_than_the_roles_plan(fraction):
+    trace, _ = _trace()
+    spec = device_spec("cpu")
+    budget = int(simulate(trace, None, spec).peak_bytes * fraction)
+    by_role = plan_blocks(trace, spec, budget, depths=(1, 4), polished=False)
+    polished = plan_blocks(trace, spec, budget, depths=(1, 4))
+    assert simulate(trace, polished, spec).peak_bytes <= budget
+    assert polished.predicted_overhead <= by_role.predicted_overhead

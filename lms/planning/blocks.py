@@ -35,6 +35,7 @@ numbered in their names".
 
 from __future__ import annotations
 
+import itertools
 import logging
 import re
 from collections.abc import Iterable, Sequence
@@ -88,7 +89,7 @@ _NUMBERED = re.compile(r"^(.*?[^\d])(\d+)$")
 # coarse costs speed, never fit.
 def _numbered_layers(modules: Sequence[str]) -> dict[str, str]:
     """Each module path whose last name numbers a layer of a stack (Note [Layers numbered in
-    their names]), and its path with that number starred."""
+    their names]), and that name with its number starred."""
     parents = {path.rpartition(".")[0] for path in modules}
     stems: dict[tuple[str, str], list[str]] = {}
     for path in modules:
@@ -96,23 +97,16 @@ def _numbered_layers(modules: Sequence[str]) -> dict[str, str]:
         found = _NUMBERED.match(name)
         if parent and found and path in parents:
             stems.setdefault((parent, found.group(1)), []).append(path)
-    starred = {}
-    for (parent, stem), paths in stems.items():
-        if len(paths) > 1:
-            starred.update({path: f"{parent}.{stem}*" for path in paths})
-    return starred
+    return {
+        path: f"{stem}*" for (_, stem), paths in stems.items() if len(paths) > 1 for path in paths
+    }
 
 
 def _generic(path: str, starred: dict[str, str]) -> str:
-    """``path`` with the index of each layer of a stack on it starred."""
-    if starred:
-        parts = path.split(".")
-        for end in range(len(parts), 1, -1):
-            head = ".".join(parts[:end])
-            if head in starred:
-                path = ".".join([starred[head], *parts[end:]])
-                break
-    return _INDEX.sub(".*", path)
+    """``path`` with the index of each layer of a stack on it starred, at any depth."""
+    prefixes = itertools.accumulate(path.split("."), lambda head, name: f"{head}.{name}")
+    names = [starred.get(head, head.rpartition(".")[2]) for head in prefixes]
+    return _INDEX.sub(".*", ".".join(names))
 
 
 def roles(trace: Trace) -> list[list[int]]:

@@ -136,6 +136,19 @@ def midway_budget(trace, spec):
     return (everything_out.peak_bytes + simulate(trace, None, spec).peak_bytes) // 2
 
 
+def tuned_cpu_spec(trace):
+    """The spec `lms.LMS.tune` prices a CPU step on: this CPU's rates, its own threshold for
+    fresh pages, and ``trace``'s ops timed here with the scratch each takes."""
+    import dataclasses
+
+    from lms.orchestration.local import local_device_spec, with_local_timings
+    from lms.orchestration.tuning import FRESH_PAGES_BYTES
+
+    cpu = torch.device("cpu")
+    spec = dataclasses.replace(local_device_spec(cpu), page_mapped_bytes=FRESH_PAGES_BYTES)
+    return with_local_timings(spec, trace, cpu)
+
+
 def recomputing_plan(trace):
     """Every recipe whose inputs are not recomputed themselves recomputed, the rest offloaded."""
     from lms.analysis import device_spec

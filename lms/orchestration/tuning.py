@@ -17,7 +17,7 @@ import torch
 from lms.analysis.simulate import share_of_peak, simulate
 from lms.analysis.trace import StepFn, trace_step
 from lms.core.devices import FRESH_PAGES_BYTES, DeviceSpec
-from lms.core.errors import HostMemoryError, SpillError
+from lms.core.errors import HostMemoryError, PlanInfeasibleError, SpillError
 from lms.core.plan import Plan
 from lms.core.records import Trace
 from lms.core.units import format_bytes
@@ -207,8 +207,13 @@ def tune_step(
                     spec,
                     half=half,
                 )
-            spec = with_local_timings(spec, trace, device, budget)
-            plan = choose(trace, spec, budget, half=half, **options)
+            rates, spec = spec, with_local_timings(spec, trace, device, budget)
+            try:
+                plan = choose(trace, spec, budget, half=half, **options)
+            except PlanInfeasibleError as error:
+                if budget_share is None:
+                    raise
+                raise _share_before_scratch(error, trace, rates, spec, half=half) from None
             # Note [The first step prefetches in the traced order]
             plan = dataclasses.replace(plan, use_order=trace.use_order, slabs=trace.slabs)
         # A cached plan too: the host budget and the spill disk's free space may differ now.
@@ -302,3 +307,27 @@ def check_offload_room(
             len(plan.spill),
             format_bytes(result.disk_peak_bytes),
         )
+
+
+def _share_before_scratch(
+    error: PlanInfeasibleError, trace: Trace, rates: DeviceSpec, timed: DeviceSpec, *, half: bool
+) -> PlanInfeasibleError:
+    """``error``, saying where the scratch its ops took when timed here raises the step's floor
+    over the peak without offload that a budget share was taken of. The share is taken before
+    the ops are timed, as the plan cache is kept by the budget's bytes; a CPU's half-precision
+    matrix products widen their operands into megabytes of scratch, which can put the floor
+    over the very peak the share was taken of."""
+    before = simulate(trace, None, rates, half=half).peak_bytes
+    after = simulate(trace, None, timed, half=half).peak_bytes
+    if error.min_budget_bytes <= before:
+        return error
+    return PlanInfeasibleError(
+        f"{error}. The share was taken of the step's peak without offload at the rates, "
+        f"{format_bytes(before)}; the scratch its ops take, measured here, raises that peak to "
+        f"{format_bytes(after)} and the floor over {format_bytes(before)}: give the budget in "
+        f"bytes, at least {format_bytes(error.min_budget_bytes)}",
+        op_name=error.op_name,
+        op_module=error.op_module,
+        op_bytes=error.op_bytes,
+        min_budget_bytes=error.min_budget_bytes,
+    )

@@ -133,6 +133,28 @@ def test_a_scaler_and_a_teacher_from_outside_trace_and_follow_the_plan(tmp_path,
     offload.close()
 
 
+def test_a_share_whose_floor_measured_scratch_puts_over_its_peak_is_refused_saying_so():
+    from lms.analysis import simulate
+    from lms.planning.candidates import Candidates
+    from lms.planning.minimum import smallest_plan
+
+    student, x = _student(), torch.randn(2048, 64)
+
+    def step(model, batch):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(batch[0]).float().square().mean()
+        loss.backward()
+        return loss.detach()
+
+    trace = trace_step(student, [x], step, device="cpu")
+    timed = tuned_cpu_spec(trace)
+    _, everything_out = smallest_plan(Candidates(trace, timed, budget_bytes=2**40, half=True))
+    if everything_out.peak_bytes <= simulate(trace, None, device_spec("cpu"), half=True).peak_bytes:
+        pytest.skip("this CPU's half-precision matrix products take little scratch")
+    with pytest.raises(lms.PlanInfeasibleError, match="give the budget in bytes, at least"):
+        lms.LMS(budget="85%").tune(student, [x], step)
+
+
 class _Recurrent(nn.Module):
     """Stacked LSTMs whose state the step carries to the next batch (truncated backpropagation
     through time)."""

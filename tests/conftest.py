@@ -137,16 +137,13 @@ def midway_budget(trace, spec):
 
 
 def tuned_cpu_spec(trace):
-    """The spec `lms.LMS.tune` prices a CPU step on: this CPU's rates, its own threshold for
-    fresh pages, and ``trace``'s ops timed here with the scratch each takes."""
-    import dataclasses
-
-    from lms.orchestration.local import local_device_spec, with_local_timings
-    from lms.orchestration.tuning import FRESH_PAGES_BYTES
+    """The spec `lms.LMS.tune` prices a CPU step on: the one before its ops are timed, with
+    ``trace``'s ops timed here and the scratch each takes."""
+    from lms.orchestration.local import with_local_timings
+    from lms.orchestration.tuning import priced_spec
 
     cpu = torch.device("cpu")
-    spec = dataclasses.replace(local_device_spec(cpu), page_mapped_bytes=FRESH_PAGES_BYTES)
-    return with_local_timings(spec, trace, cpu)
+    return with_local_timings(priced_spec(cpu), trace, cpu)
 
 
 def recomputing_plan(trace):

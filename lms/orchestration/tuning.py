@@ -105,12 +105,10 @@ def tune_step(
 
     param = next(model.parameters(), None)
     device = param.device if param is not None else torch.device("cpu")
-    spec = local_device_spec(device)
+    spec = priced_spec(device, cpu_resident=cpu_resident)
     # The timing process starts now, once this CPU is measured (it would take a core), to
     # import while the step is traced (Note [The timing process starts early]).
     with started_early():
-        if device.type != "cuda" and not cpu_resident:  # glibc's own threshold (Note [Fresh pages])
-            spec = dataclasses.replace(spec, page_mapped_bytes=FRESH_PAGES_BYTES)
         if device.type == "cuda" and tier == "auto":
             spec = spec.with_host_memory(host_budget_bytes)
         budget = spec.memory_bytes if budget_bytes is None else budget_bytes
@@ -307,6 +305,17 @@ def check_offload_room(
             len(plan.spill),
             format_bytes(result.disk_peak_bytes),
         )
+
+
+def priced_spec(device: torch.device, *, cpu_resident: bool = False) -> DeviceSpec:
+    """The spec a step tuned for ``device`` is priced on before its ops are timed: the device's
+    own (`lms.orchestration.local.local_device_spec`), and on a CPU whose runtime keeps freed
+    memory (``cpu_resident`` False), glibc's own threshold for fresh pages (Note [Fresh
+    pages])."""
+    spec = local_device_spec(device)
+    if device.type != "cuda" and not cpu_resident:
+        spec = dataclasses.replace(spec, page_mapped_bytes=FRESH_PAGES_BYTES)
+    return spec
 
 
 def _share_before_scratch(

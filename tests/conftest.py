@@ -127,13 +127,17 @@ def hooks_are_gone():
 
 def midway_budget(trace, spec):
     """A budget halfway between the peak with every saved storage moved (what stays is the
-    floor) and the peak with none moved: a plan must move some, and some plan fits."""
+    floor) and the peak with none moved, beside the buffers the step's libraries keep where
+    ``spec``'s timings measured them (Note [Buffers a library keeps]): a plan must move some,
+    and some plan fits."""
     from lms.analysis import simulate
+    from lms.analysis.simulate import library_kept_bytes
     from lms.planning.candidates import Candidates
     from lms.planning.minimum import smallest_plan
 
     _, everything_out = smallest_plan(Candidates(trace, spec, budget_bytes=2**40))
-    return (everything_out.peak_bytes + simulate(trace, None, spec).peak_bytes) // 2
+    midway = (everything_out.peak_bytes + simulate(trace, None, spec).peak_bytes) // 2
+    return midway + library_kept_bytes(trace, spec)
 
 
 def tuned_cpu_spec(trace):

@@ -16,8 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lms.analysis import trace_step
 from lms.analysis.recorder import _as_meta
-from lms.analysis.simulate import op_seconds, simulate
+from lms.analysis.simulate import library_kept_bytes, op_seconds, simulate
 from lms.core.devices import DEVICES, FRESH_PAGES_BYTES, MAPPED_ALONE_BYTES, OpTimings
+from lms.core.errors import PlanInfeasibleError
 from lms.core.records import OpCall, TensorMeta
 from lms.orchestration import local, timing, tuning
 from lms.orchestration.timing import time_ops
@@ -43,7 +44,7 @@ def test_each_distinct_call_is_timed_once_and_alike_calls_share_its_time(monkeyp
 
     def child(jobs, device, limit_s, mapped_bytes=None):
         sent.extend(jobs)
-        return {position: (1e-3 * (position + 1), None) for position in range(len(jobs))}
+        return {position: (1e-3 * (position + 1), None, 0) for position in range(len(jobs))}
 
     monkeypatch.setattr(timing, "_time_in_child", child)
     timings = time_ops(trace, CPU)
@@ -306,6 +307,51 @@ def test_an_ops_scratch_is_measured_where_it_is_timed(caplog):
     more = scratch - convolution.cpu_scratch_bytes
     named = "aten.convolution_backward.default at _Atrous.conv takes"
     assert (named in caplog.text) == (more >= MAPPED_ALONE_BYTES), caplog.text
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL's buffers, measured")
+def test_the_buffers_a_library_keeps_are_measured_once_a_call_and_left_room_for(
+    monkeypatch, caplog
+):
+    """Note [Buffers a library keeps]: MKL keeps what a large matrix product packs its operands
+    into; the timing process empties its pool, reads what each call's first run leaves behind,
+    and a plan leaves their sum in the budget beside the step's own peak."""
+    monkeypatch.setattr(local, "_TIMED", {})
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 1)
+    )
+    trace = trace_step(model, lambda: (torch.randn(4096, 64),), device=CPU)
+    timings = time_ops(trace, CPU)
+    assert len(timings.kept) == len(trace.ops)
+    first = next(op.index for op in trace.ops if op.name == "aten.addmm.default")
+    # the first layer's product packs its 4096 x 64 by 64 x 1024 operands: megabytes kept
+    assert (timings.kept[first] or 0) >= 2**20, timings.kept
+    timed = DEVICES["cpu"].with_op_timings(timings)
+    total = sum(n for n in timings.kept if n is not None and n >= 4096)
+    assert library_kept_bytes(trace, timed) == total > 0
+    assert library_kept_bytes(trace, DEVICES["cpu"]) == 0  # not measured: none counted
+    assert OpTimings.from_dict(json.loads(json.dumps(timings.to_dict()))).kept == timings.kept
+    # timed again, in the same waiting process, its pool emptied first: measured alike
+    again = time_ops(trace, CPU)
+    assert abs(sum(n or 0 for n in again.kept) - sum(n or 0 for n in timings.kept)) < 2**20
+    # the plan holds the step's own peak to what the budget leaves beside the buffers; where
+    # nothing fits that, to the budget, saying by how much the first step passes it
+    from lms.planning import plan_auto
+    from lms.planning.candidates import Candidates
+    from lms.planning.minimum import smallest_plan
+
+    _, smallest = smallest_plan(Candidates(trace, timed, budget_bytes=2**40))
+    plain = simulate(trace, None, timed).peak_bytes
+    roomy = (smallest.peak_bytes + plain) // 2 + total
+    plan = tuning.within_room(plan_auto, trace, timed, roomy)
+    assert simulate(trace, plan, timed).peak_bytes <= roomy - total
+    tight = smallest.peak_bytes + total // 2
+    with caplog.at_level(logging.WARNING, logger="lms"):
+        plan = tuning.within_room(plan_auto, trace, timed, tight)
+    assert simulate(trace, plan, timed).peak_bytes <= tight
+    assert "the first step in a process passes it by up to those buffers" in caplog.text
+    with pytest.raises(PlanInfeasibleError):  # below the floor itself
+        tuning.within_room(plan_auto, trace, timed, smallest.peak_bytes - 2**20)
 
 
 def test_a_sparse_outputs_parts_are_not_taken_for_scratch():

@@ -278,7 +278,9 @@ def test_each_batch_shape_gets_a_plan_of_its_own(spill_dir, tmp_path, monkeypatc
         got = run_step(model, [batch["tokens"]], offload, loss_fn=lambda out: out.square().mean())
         assert_bitwise(plain, got)
     assert [batch["tokens"].shape[1] for batch in tuned] == [512, 640]  # traced once each
-    assert plans[512] is not plans[640] and plans[640].offload != plans[512].offload
+    assert plans[512] is not plans[640] and plans[640].fingerprint != plans[512].fingerprint
+    # each plan is priced on its own length's tensors: an entry at 640 holds 640/512 of one at 512
+    assert [b * 512 for b in plans[640].entry_bytes] == [b * 640 for b in plans[512].entry_bytes]
     assert offload.stats.diverged_steps == 0  # each step followed its own length's plan
     offload.close()
 

@@ -27,7 +27,15 @@ from lms.core.devices import MAPPED_ALONE_BYTES, DeviceSpec
 from lms.core.plan import Plan
 from lms.core.records import JunctionRecord, StorageRecord, Trace
 
-__all__ = ["SimResult", "simulate", "runtime_plan", "Interval", "op_seconds", "share_of_peak"]
+__all__ = [
+    "SimResult",
+    "simulate",
+    "runtime_plan",
+    "Interval",
+    "library_kept_bytes",
+    "op_seconds",
+    "share_of_peak",
+]
 
 
 class Interval(NamedTuple):
@@ -600,6 +608,26 @@ def _scratch_ops(trace: Trace, spec: DeviceSpec) -> dict[int, int]:
                 found[index] = max(found.get(index, 0), nbytes + nbytes // _SCRATCH_PAD)
         trace.memo[key] = found
     return found  # type: ignore[no-any-return]
+
+
+def library_kept_bytes(trace: Trace, spec: DeviceSpec) -> int:
+    """Bytes the libraries ``trace``'s ops call keep from their first run on, as the spec's op
+    timings measured them (Note [Buffers a library keeps] in `lms.orchestration.timing`): a
+    plan leaves them in the budget beside the step's peak. 0 where the spec takes no CPU
+    scratch (a card's workspace margin stands for them) or its timings are of another step."""
+    timings = spec.op_timings
+    if (
+        not spec.cpu_scratch
+        or timings is None
+        or len(timings.kept) != len(trace.ops)
+        or timings.fingerprint != trace.fingerprint()
+    ):
+        return 0
+    return sum(nbytes for nbytes in timings.kept if nbytes is not None and nbytes >= _PAGE_BYTES)
+
+
+_PAGE_BYTES = 4096
+"""Less than this left after a call is the heap's own jitter, not a library's buffer."""
 
 
 _MERGED = -1  # role of the sum's storage

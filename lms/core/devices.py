@@ -52,6 +52,11 @@ class OpTimings:
     scratch, measured where it is timed] in `lms.orchestration.timing`), which the simulator
     counts for a spec with `DeviceSpec.cpu_scratch`; None for an op not measured, empty where
     none was."""
+    kept: tuple[int | None, ...] = ()
+    """By op index, the bytes a distinct call's first run left allocated once its outputs were
+    freed: buffers a library keeps for later calls (Note [Buffers a library keeps] in
+    `lms.orchestration.timing`), at the first op of each distinct call (0 at the others); None
+    for an op not measured, empty where none was."""
 
     @property
     def timed(self) -> int:
@@ -60,13 +65,15 @@ class OpTimings:
 
     def to_dict(self) -> dict[str, Any]:
         """As JSON keeps them (`from_dict` reads it back)."""
-        return {"fingerprint": self.fingerprint, "seconds": list(self.seconds)} | (
-            {"scratch": list(self.scratch)} if self.scratch else {}
+        return (
+            {"fingerprint": self.fingerprint, "seconds": list(self.seconds)}
+            | ({"scratch": list(self.scratch)} if self.scratch else {})
+            | ({"kept": list(self.kept)} if self.kept else {})
         )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OpTimings:
-        """From `to_dict`'s; one written before scratch was measured has none.
+        """From `to_dict`'s; one written before scratch (or kept buffers) was measured has none.
 
         Raises:
             KeyError, TypeError, ValueError: ``data`` is not one `to_dict` wrote.
@@ -75,6 +82,7 @@ class OpTimings:
             fingerprint=str(data["fingerprint"]),
             seconds=tuple(None if s is None else float(s) for s in data["seconds"]),
             scratch=tuple(None if b is None else int(b) for b in data.get("scratch", ())),
+            kept=tuple(None if b is None else int(b) for b in data.get("kept", ())),
         )
 
 

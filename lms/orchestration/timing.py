@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import logging
@@ -30,6 +31,7 @@ from lms.core.records import TensorMeta, Trace
 from lms.core.units import format_bytes
 from lms.runtime.heap import (
     PeakMemory,
+    heap_in_use_bytes,
     map_alone_from,
     peak_rss_bytes,
     reset_peak_rss,
@@ -52,9 +54,10 @@ _CHILD = (sys.executable, "-c", "from lms.orchestration.timing import _main; _ma
 Job = tuple[str, tuple[Any, ...], dict[str, Any]]
 """A call to time: the overload's name (``aten.add.Tensor``), its arguments, tensors as
 `TensorMeta`."""
-_Taken = tuple[float, int | None]
-"""What a call took: its seconds, and its scratch bytes, None where they could not be read
-(Note [An op's scratch, measured where it is timed])."""
+_Taken = tuple[float, int | None, int | None]
+"""What a call took: its seconds, its scratch bytes (Note [An op's scratch, measured where it is
+timed]) and the bytes its first run left to its library (Note [Buffers a library keeps]), None
+where they could not be read."""
 
 
 # Note: [Ops are timed in a process of their own]
@@ -122,12 +125,20 @@ def time_ops(
     started = time.perf_counter()
     results = _time_in_child(jobs, device, limit_s, mapped_bytes) if jobs else {}
     scratch: list[int | None] = [None] * len(trace.ops)
+    kept: list[int | None] = [None] * len(trace.ops)
     for job, indices in enumerate(owners):
         taken = results.get(job)
         for index in indices:
-            seconds[index], scratch[index] = taken if taken is not None else (None, None)
+            seconds[index], scratch[index], kept[index] = (
+                taken if taken is not None else (None, None, None)
+            )
+            if index != indices[0] and kept[index] is not None:
+                kept[index] = 0  # kept once, by the call's first run
     timings = OpTimings(
-        fingerprint=trace.fingerprint(), seconds=tuple(seconds), scratch=tuple(scratch)
+        fingerprint=trace.fingerprint(),
+        seconds=tuple(seconds),
+        scratch=tuple(scratch),
+        kept=tuple(kept),
     )
     log.info(
         "[LMS] Timed %d of %d distinct calls of %d ops on %s in %.1f s (%d ops left to the "
@@ -632,6 +643,7 @@ def _main() -> None:
                 map_alone_from(fixed)
             else:
                 torch.empty(FRESH_PAGES_BYTES - 4096, dtype=torch.uint8).fill_(0)
+        _free_library_buffers(device)  # Note [Buffers a library keeps]
         _time_jobs(jobs, device, limit_s, out)
         # Note: [A timing process tidies before it says it is done]
         # Once its jobs are timed it collects their garbage and gives their heap back to the
@@ -679,8 +691,12 @@ def _time_call(
         namespace, packet, overload = name.split(".")
         op = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
         args, kwargs = _made_up_call(op, args, kwargs, device)
-        op(*args, **kwargs)  # warm-up
         sync()
+        before = _in_use(device)
+        op(*args, **kwargs)  # warm-up, its outputs freed at once
+        sync()
+        after = _in_use(device)
+        kept = None if before is None or after is None else max(after - before, 0)
         runs: list[float] = []
         while len(runs) < _MOST_CALLS:
             runs.append(_one_run(op, args, kwargs, device))
@@ -692,7 +708,50 @@ def _time_call(
     scratch = None
     with contextlib.suppress(Exception):  # its time stands without it
         scratch = _scratch_taken(op, args, kwargs, device)
-    return min(runs), scratch
+    return min(runs), scratch, kept
+
+
+# Note: [Buffers a library keeps]
+# Some libraries keep memory from an op's first run for the runs after it: MKL keeps the buffers
+# its matrix products pack their operands into (a pool it reuses, `mkl_free_buffers` empties it),
+# cuBLAS a workspace for each stream. A step's first run allocates them while it runs, and from
+# then on the process holds them beside the step's tensors. A gradient penalty's MLP (4096 rows,
+# 1024 wide) kept 16.7 MB of MKL's buffers after its first step, which grew the heap by 191.0 MB
+# where the later steps grew it by 174.4: its plan, simulated at 174.3 MB under a budget of 186.6,
+# took the budget's last 4.4 MB and passed it in the first step, and each step after held the
+# budget and more. So the timing process empties the libraries' buffers before each tune's calls
+# and, as each call first runs there, reads how far memory in use rose once its outputs were
+# freed (the heap in use on a CPU, the caching allocator's count on a card): the bytes that call
+# left to its library (`lms.core.devices.OpTimings.kept`). The calls run in the step's order, so
+# a pool the step would reuse is reused there too. A plan on a CPU leaves their sum in the budget
+# beside the step's own peak (`lms.analysis.simulate.library_kept_bytes`,
+# `lms.orchestration.tuning.within_room`); where no plan fits what that leaves, the plan holds
+# the step's own peak to the budget and says by how much the first step passes it (a small model
+# on a CPU: MKL's smallest pool is 4 MiB, more than some steps take). A card's are read and
+# recorded, but not counted, as the spec's workspace margin stands for cuBLAS's workspace there.
+
+
+def _in_use(device: torch.device) -> int | None:
+    """Memory in use on ``device`` now: the caching allocator's on a card, the heap's elsewhere
+    (None where that is not counted)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return heap_in_use_bytes()
+
+
+def _free_library_buffers(device: torch.device) -> None:
+    """Empty what libraries keep from earlier calls (Note [Buffers a library keeps]): MKL's
+    buffers where PyTorch's MKL says how, cuBLAS's workspaces on a card."""
+    if device.type == "cuda":
+        with contextlib.suppress(AttributeError, RuntimeError):
+            torch._C._cuda_clearCublasWorkspaces()
+        return
+    for library in (os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"), None):
+        try:
+            ctypes.CDLL(library).mkl_serv_free_buffers()
+        except (AttributeError, OSError):  # another build (OpenBLAS) or another system
+            continue
+        return
 
 
 # Note: [An op's scratch, measured where it is timed]

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lms.analysis.simulate import share_of_peak, simulate
+from lms.analysis.simulate import library_kept_bytes, share_of_peak, simulate
 from lms.analysis.trace import StepFn, trace_step
 from lms.core.devices import FRESH_PAGES_BYTES, DeviceSpec
 from lms.core.errors import HostMemoryError, PlanInfeasibleError, SpillError
@@ -207,7 +207,7 @@ def tune_step(
                 )
             rates, spec = spec, with_local_timings(spec, trace, device, budget)
             try:
-                plan = choose(trace, spec, budget, half=half, **options)
+                plan = within_room(choose, trace, spec, budget, half=half, **options)
             except PlanInfeasibleError as error:
                 if budget_share is None:
                     raise
@@ -305,6 +305,45 @@ def check_offload_room(
             len(plan.spill),
             format_bytes(result.disk_peak_bytes),
         )
+
+
+def within_room(
+    choose: Callable[..., Plan], trace: Trace, spec: DeviceSpec, budget: int, **options: Any
+) -> Plan:
+    """``choose(trace, spec, room, **options)``: the plan of the step's own peak within the room
+    ``budget`` leaves beside the buffers the libraries its ops call keep from their first run
+    on (Note [Buffers a library keeps] in `lms.orchestration.timing`), which the process holds
+    beside the step's tensors from its first step on. Where no plan fits that room but one fits
+    ``budget``, that one, with a warning that the first step passes the budget by up to the
+    buffers, naming the least budget that holds both.
+
+    Raises:
+        PlanInfeasibleError: no plan fits ``budget`` at all.
+    """
+    kept = library_kept_bytes(trace, spec)
+    if not kept:
+        return choose(trace, spec, budget, **options)
+    try:
+        plan = choose(trace, spec, budget - kept, **options)
+    except PlanInfeasibleError as error:
+        plan = choose(trace, spec, budget, **options)
+        log.warning(
+            "[LMS] The libraries the step calls keep %s of buffers from its first run on "
+            "(measured where its ops were timed), and no plan leaves them room in the budget of "
+            "%s: the plan holds the step's own peak to it, and the first step in a process passes "
+            "it by up to those buffers. A budget of %s holds both",
+            format_bytes(kept),
+            format_bytes(budget),
+            format_bytes(error.min_budget_bytes + kept),
+        )
+        return plan
+    log.info(
+        "[LMS] The libraries the step calls keep %s of buffers from its first run on (measured "
+        "where its ops were timed); the plan leaves them room in the budget of %s",
+        format_bytes(kept),
+        format_bytes(budget),
+    )
+    return plan
 
 
 def priced_spec(device: torch.device, *, cpu_resident: bool = False) -> DeviceSpec:

@@ -224,11 +224,12 @@ def _replayed(record: StepRecord, measured: list[float | None]) -> tuple[DeviceS
     replay prices each op at its recorded time]) and the clock it runs the plan on."""
     trace, plan, spec, half = record.trace, record.plan, record.spec, record.half
     write_log, overhead = _write_log(record)
-    tuned = spec.op_timings  # its scratch measured where the tune timed its ops
+    tuned = spec.op_timings  # its scratch and kept buffers measured where the tune timed its ops
     timings = OpTimings(
         trace.fingerprint(),
         tuple(None if s is None else max(s - overhead, 0.0) for s in measured),
         scratch=tuned.scratch if tuned is not None else (),
+        kept=tuned.kept if tuned is not None else (),
     )
     replayed = dataclasses.replace(spec, copies_take_compute=False).with_op_timings(timings)
     clock = Clock(trace, plan, replayed, op_seconds(trace, replayed, half, write_log=write_log))

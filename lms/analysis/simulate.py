@@ -16,7 +16,7 @@ import bisect
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy
 from torch.utils.weak import WeakIdKeyDictionary
@@ -189,14 +189,20 @@ def _timed_seconds(trace: Trace, spec: DeviceSpec) -> list[float | None]:
     """The measured seconds of each op of ``trace`` on ``spec`` (Note [Ops timed on the
     device]): None for each op without a time, and for all where the spec's are another
     trace's."""
+    seconds = _measured(trace, spec, "seconds")
+    return [None] * len(trace.ops) if seconds is None else list(seconds)
+
+
+def _measured(
+    trace: Trace, spec: DeviceSpec, field: Literal["seconds", "scratch", "kept"]
+) -> tuple[Any, ...] | None:
+    """That ``field`` of ``spec``'s op timings, by op index, where they are ``trace``'s; None
+    where the spec has none, they are another trace's, or that field was not measured."""
     timings = spec.op_timings
-    if (
-        timings is None
-        or len(timings.seconds) != len(trace.ops)
-        or timings.fingerprint != trace.fingerprint()
-    ):
-        return [None] * len(trace.ops)
-    return list(timings.seconds)
+    if timings is None or timings.fingerprint != trace.fingerprint():
+        return None
+    values: tuple[Any, ...] = getattr(timings, field)
+    return values if len(values) == len(trace.ops) else None
 
 
 def _fresh_seconds(trace: Trace, spec: DeviceSpec) -> dict[int, float]:
@@ -592,18 +598,14 @@ def _scratch_ops(trace: Trace, spec: DeviceSpec) -> dict[int, int]:
         estimated = trace.memo["cpu_scratch"] = {
             op.index: op.cpu_scratch_bytes for op in trace.ops if op.cpu_scratch_bytes
         }
-    timings = spec.op_timings
-    if (
-        timings is None
-        or len(timings.scratch) != len(trace.ops)
-        or timings.fingerprint != trace.fingerprint()
-    ):
+    measured = _measured(trace, spec, "scratch")
+    if measured is None:
         return estimated  # type: ignore[no-any-return]
-    key = ("cpu_scratch", timings)  # compared by identity
+    key = ("cpu_scratch", spec.op_timings)  # compared by identity
     found = trace.memo.get(key)
     if found is None:
         found = dict(estimated)
-        for index, nbytes in enumerate(timings.scratch):
+        for index, nbytes in enumerate(measured):
             if nbytes is not None and nbytes >= MAPPED_ALONE_BYTES:  # below, pages the heap had
                 found[index] = max(found.get(index, 0), nbytes + nbytes // _SCRATCH_PAD)
         trace.memo[key] = found
@@ -615,15 +617,10 @@ def library_kept_bytes(trace: Trace, spec: DeviceSpec) -> int:
     timings measured them (Note [Buffers a library keeps] in `lms.orchestration.timing`): a
     plan leaves them in the budget beside the step's peak. 0 where the spec takes no CPU
     scratch (a card's workspace margin stands for them) or its timings are of another step."""
-    timings = spec.op_timings
-    if (
-        not spec.cpu_scratch
-        or timings is None
-        or len(timings.kept) != len(trace.ops)
-        or timings.fingerprint != trace.fingerprint()
-    ):
+    kept = _measured(trace, spec, "kept") if spec.cpu_scratch else None
+    if kept is None:
         return 0
-    return sum(nbytes for nbytes in timings.kept if nbytes is not None and nbytes >= _PAGE_BYTES)
+    return sum(nbytes for nbytes in kept if nbytes is not None and nbytes >= _PAGE_BYTES)
 
 
 _PAGE_BYTES = 4096

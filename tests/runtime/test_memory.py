@@ -576,7 +576,8 @@ PENALTY = textwrap.dedent(
     plain = simulate(trace, None, local_device_spec(torch.device("cpu"))).peak_bytes
     # Note [Buffers a library keeps]: MKL's, which the first step's products allocate
     timed = with_local_timings(priced_spec(torch.device("cpu")), trace, torch.device("cpu"))
-    budget = int(0.9 * plain) + library_kept_bytes(trace, timed)
+    kept = library_kept_bytes(trace, timed)
+    budget = int(0.9 * plain) + kept
     offload = lms.LMS(budget=budget, tier="disk", spill_dir=sys.argv[1], min_offload_bytes=0,
                       cpu_resident=False)
     plan = offload.tune(model, [x], penalty, cache_dir=sys.argv[1] + "/plans")
@@ -590,7 +591,7 @@ PENALTY = textwrap.dedent(
         measured.append(memory.growth_bytes)
     print(json.dumps({"measured": measured, "simulated": plan.predicted_peak_bytes - before,
                       "budget": budget - before, "moved": len(plan.offload),
-                      "kept": library_kept_bytes(trace, timed),
+                      "kept": kept,
                       "diverged": offload.stats.diverged_steps}))
     """
 )

@@ -326,3 +326,39 @@ def test_a_batch_shape_tells_what_its_trace_depends_on():
     channels_last = image.contiguous(memory_format=torch.channels_last)
     assert batch_shape([image]) != batch_shape([channels_last])
     assert batch_shape((image, True)) != batch_shape((image, False))
+
+
+def test_a_share_is_kept_in_the_bytes_it_came_to_beside_the_buffers_a_library_keeps(
+    spill_dir, tmp_path, monkeypatch
+):
+    """A share of the first batch's peak becomes that many bytes for the batches after it, while
+    the plan holds the step's own peak to what they leave beside the buffers its libraries keep
+    (Note [Buffers a library keeps]): the next shape is tuned at the share's bytes, not at the
+    room the first plan had."""
+    import lms
+    import lms.orchestration.session as session
+    from lms.analysis.simulate import library_kept_bytes
+
+    tuned = []
+    real = session.tune_step
+    monkeypatch.setattr(
+        session, "tune_step", lambda *a, **k: tuned.append(real(*a, **k)) or tuned[-1]
+    )
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh()) for _ in range(8)]
+    model = torch.nn.Sequential(torch.nn.Linear(64, 1024), *layers)
+    offload = lms.LMS(budget="80%", tier="disk", spill_dir=spill_dir, min_offload_bytes=0)
+    for rows in (2048, 1536):
+        batch = {"tokens": torch.randn(rows, 64)}
+        offload.tune(model, batch, _sequence_step, cache_dir=str(tmp_path))
+    first, second = tuned
+    kept = library_kept_bytes(first.trace, first.spec)
+    if not kept:
+        pytest.skip("this PyTorch's matrix products keep no buffers")
+    assert first.plan.budget_bytes == first.budget - kept  # the room beside the buffers
+    assert offload.config.budget_bytes == first.budget == second.budget  # the share, in bytes
+    assert second.plan.budget_bytes in (
+        second.budget,
+        second.budget - library_kept_bytes(second.trace, second.spec),
+    )
+    offload.close()

@@ -155,8 +155,8 @@ class LMS(Session):
                 self._shapes[key] = None
             self.plan = None
             return None
-        if self.config.budget_share is not None:  # the share is now a size: the plan's
-            self.config = dataclasses.replace(self.config, budget=tuned.plan.budget_bytes)
+        if self.config.budget_share is not None:  # the share is now a size: the tune's
+            self.config = dataclasses.replace(self.config, budget=tuned.budget)
         priced_on = (tuned.trace, tuned.spec, tuned.half)
         if shape is not None:
             self._shapes[key] = (tuned.plan, priced_on)

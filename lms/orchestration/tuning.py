@@ -49,12 +49,14 @@ log = logging.getLogger("lms.orchestration.tuning")
 class TunedStep:
     """A plan and what it was made from: the trace, the spec it was priced on (with the op
     times measured for it, kept beside a plan loaded from the cache), and whether at half
-    precision."""
+    precision, and the budget it was tuned under in bytes (a share, in the bytes the step's
+    peak made it), which the plan's own can be under (`within_room`)."""
 
     plan: Plan
     trace: Trace
     spec: DeviceSpec
     half: bool
+    budget: int
 
 
 def tune_plan(model: torch.nn.Module, batch: Any, step_fn: StepFn | None, **settings: Any) -> Plan:
@@ -236,7 +238,7 @@ def tune_step(
             )
         if loaded is not None:
             log.info("[LMS] Loaded the plan for this step from %s", path)
-            return TunedStep(plan, trace, priced, half)
+            return TunedStep(plan, trace, priced, half, budget)
         save_plan(plan, path, spec.op_timings)
         mapped = spec.page_mapped_bytes
         log.info(
@@ -255,7 +257,7 @@ def tune_step(
             else "",
             path,
         )
-        return TunedStep(plan, trace, spec, half)
+        return TunedStep(plan, trace, spec, half, budget)
 
 
 def check_offload_room(
